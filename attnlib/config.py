@@ -1,0 +1,66 @@
+"""`GPTConfig`: the sizes of a decoder-only GPT, checked when it is made."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attnlib._checks import divisible, positive_int, probability
+
+__all__ = ["GPTConfig"]
+
+
+@dataclass
+class GPTConfig:
+    """Hyperparameters of :class:`attnlib.GPT` (chapter 12).
+
+    Attributes:
+        vocab_size: number of token ids.
+        block_size: longest context (positions) the model sees.
+        n_layers: number of Transformer blocks.
+        n_heads: query heads per attention layer.
+        d_model: width of the residual stream; ``head_dim = d_model // n_heads``.
+        n_kv_heads: key/value heads, for the grouped variants (MQA/GQA); defaults
+            to ``n_heads``. Variants that do not group heads ignore it.
+        dropout: dropout probability on attention weights, residual branches and embeddings.
+        bias: whether the Linear layers and LayerNorms carry a bias.
+        attention: name of the attention variant in
+            :data:`attnlib.attention.ATTENTION_REGISTRY` (``"mha"``, ...).
+
+    Raises:
+        TypeError: a size that is not an int.
+        ValueError: a non-positive size, ``d_model`` not divisible by ``n_heads``,
+            ``n_heads`` not divisible by ``n_kv_heads``, ``dropout`` outside [0, 1),
+            or an unknown attention name. The message names the value.
+    """
+
+    vocab_size: int = 65
+    block_size: int = 32
+    n_layers: int = 4
+    n_heads: int = 4
+    d_model: int = 64
+    n_kv_heads: int | None = None
+    dropout: float = 0.0
+    bias: bool = True
+    attention: str = "mha"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layers", "n_heads", "d_model"):
+            positive_int(name, getattr(self, name))
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        positive_int("n_kv_heads", self.n_kv_heads)
+        divisible("d_model", self.d_model, "n_heads", self.n_heads)
+        divisible("n_heads", self.n_heads, "n_kv_heads", self.n_kv_heads)
+        probability("dropout", self.dropout)
+        if not isinstance(self.bias, bool):
+            raise TypeError(f"bias must be a bool; got {self.bias!r}")
+
+        from attnlib.attention import ATTENTION_REGISTRY  # late import: the registry imports this module
+
+        if self.attention not in ATTENTION_REGISTRY:
+            known = ", ".join(sorted(ATTENTION_REGISTRY))
+            raise ValueError(f"attention={self.attention!r} is not a known variant; choose one of: {known}")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one head: ``d_model // n_heads``."""
+        return self.d_model // self.n_heads

@@ -1,0 +1,92 @@
+"""Choosing the next token from logits: greedy, temperature, top-k and top-p (nucleus) sampling.
+
+Chapter 12. Nucleus sampling: Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration".
+"""
+from __future__ import annotations
+
+import torch
+
+from attnlib._checks import positive_int
+
+__all__ = ["sample_next_token", "top_k_filter", "top_p_filter"]
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the ``k`` largest logits of each row, set the rest to ``-inf``.
+
+    Args:
+        logits: ``(..., vocab_size)`` float.
+        k: how many to keep; values above ``vocab_size`` keep everything.
+
+    Returns:
+        A tensor of the same shape (ties with the k-th value are kept).
+
+    Raises:
+        TypeError / ValueError: if ``k`` is not a positive int.
+    """
+    positive_int("top_k", k)
+    k = min(k, logits.shape[-1])
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # (..., 1): the k-th largest
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of tokens whose probabilities add up to at least ``p``; the rest get ``-inf``.
+
+    Args:
+        logits: ``(..., vocab_size)`` float.
+        p: cumulative probability in (0, 1]; 1 keeps everything.
+
+    Returns:
+        A tensor of the same shape; the most likely token is always kept.
+
+    Raises:
+        ValueError: if ``p`` is not in (0, 1].
+    """
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+        raise ValueError(f"top_p={p!r} must be a number in (0, 1]")
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    # Drop a token when the tokens before it already reach p (so the first one always stays).
+    drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= p
+    drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample_next_token(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Pick one token id per row from next-token logits.
+
+    Args:
+        logits: ``(B, vocab_size)`` float, the logits at the last position.
+        temperature: divides the logits; ``0`` means greedy (argmax).
+        top_k: keep only the ``top_k`` most likely tokens before sampling.
+        top_p: keep only the nucleus of cumulative probability ``top_p``.
+        generator: a ``torch.Generator`` for reproducible sampling.
+
+    Returns:
+        ``(B, 1)`` int64 token ids.
+
+    Raises:
+        ValueError: negative temperature, or a bad ``top_k`` / ``top_p``.
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"temperature={temperature!r} must be a number >= 0 (0 = greedy)")
+    if top_k is not None:
+        positive_int("top_k", top_k)
+    if top_p is not None:
+        top_p_filter(logits[..., :1], top_p)  # validates p before any work
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None:
+        logits = top_p_filter(logits, top_p)
+    probs = torch.softmax(logits.float(), dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)

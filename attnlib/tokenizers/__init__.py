@@ -1,0 +1,4 @@
+"""Tokenizers written from scratch."""
+from attnlib.tokenizers.char import CharTokenizer
+
+__all__ = ["CharTokenizer"]

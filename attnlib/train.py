@@ -1,0 +1,283 @@
+"""Training a language model with AdamW: the loop, loss estimates, a history to plot, and a command line.
+
+Chapter 12. The full run of the book's small configuration::
+
+    python -m attnlib.train --max-iters 5000 --out runs/gpt
+
+Batches come from a seeded ``torch.Generator``, so two runs with the same seed
+see the same data in the same order (whatever the model).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from attnlib._checks import positive_int
+from attnlib._device import device as default_device
+from attnlib.data import get_batch
+
+__all__ = ["TrainConfig", "History", "estimate_loss", "train", "save_checkpoint", "load_checkpoint", "main"]
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation settings; the defaults are the book's small Tiny Shakespeare run (chapter 12).
+
+    Attributes:
+        batch_size: sequences per step.
+        max_iters: optimizer steps.
+        eval_interval: estimate train/val loss every this many steps (and after the last).
+        eval_iters: batches averaged per loss estimate.
+        learning_rate: AdamW learning rate (constant).
+        weight_decay: AdamW weight decay (PyTorch's default, 0.01).
+        grad_clip: clip the gradient norm to this value; ``None`` = no clipping.
+        seed: seed of the batch sampler.
+        device: ``None`` = :func:`attnlib.device`.
+    """
+
+    batch_size: int = 16
+    max_iters: int = 5000
+    eval_interval: int = 100
+    eval_iters: int = 200
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.01
+    grad_clip: float | None = None
+    seed: int = 1337
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "max_iters", "eval_interval", "eval_iters"):
+            positive_int(name, getattr(self, name))
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate={self.learning_rate} must be > 0")
+
+
+@dataclass
+class History:
+    """What a training run measured: losses at each evaluation, time and throughput.
+
+    Attributes:
+        steps: the step of each evaluation.
+        train_loss, val_loss: mean cross-entropy (nats per token) at those steps.
+        elapsed_s: wall-clock seconds of the whole run, evaluations included.
+        tokens_per_s: training tokens processed per second (evaluations excluded).
+    """
+
+    steps: list[int] = field(default_factory=list)
+    train_loss: list[float] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    tokens_per_s: float = 0.0
+
+    def plot(self, ax=None, label: str | None = None):
+        """Loss curves on a matplotlib Axes (made if not given); returns the Axes."""
+        import matplotlib.pyplot as plt
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(6, 3.5))
+        prefix = f"{label}: " if label else ""
+        ax.plot(self.steps, self.train_loss, label=f"{prefix}train")
+        ax.plot(self.steps, self.val_loss, label=f"{prefix}val", linestyle="--")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        return ax
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "History":
+        return cls(**json.loads(Path(path).read_text()))
+
+
+@torch.no_grad()
+def estimate_loss(
+    model: nn.Module,
+    splits: dict[str, torch.Tensor],
+    batch_size: int,
+    block_size: int,
+    eval_iters: int,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+) -> dict[str, float]:
+    """Mean loss over ``eval_iters`` random batches of each split, in eval mode.
+
+    The batches come from a generator seeded with ``seed``: every call sees the
+    same batches, so successive estimates differ only because the model changed.
+
+    Returns:
+        ``{split name: mean loss}``.
+    """
+    positive_int("eval_iters", eval_iters)
+    was_training = model.training
+    model.eval()
+    out = {}
+    for name, data in splits.items():
+        generator = torch.Generator().manual_seed(seed)
+        losses = torch.empty(eval_iters)
+        for i in range(eval_iters):
+            x, y = get_batch(data, batch_size, block_size, generator, device)
+            losses[i] = model(x, y)[1].item()
+        out[name] = losses.mean().item()
+    model.train(was_training)
+    return out
+
+
+def train(
+    model: nn.Module,
+    train_data: torch.Tensor,
+    val_data: torch.Tensor,
+    config: TrainConfig | None = None,
+    progress: bool = True,
+) -> History:
+    """Train ``model`` (an :class:`attnlib.GPT` or any module with its ``forward(idx, targets)``) with AdamW.
+
+    Args:
+        model: moved to ``config.device`` in place.
+        train_data, val_data: 1-D int64 token tensors.
+        config: a :class:`TrainConfig` (defaults if ``None``).
+        progress: show a tqdm progress bar with the latest losses.
+
+    Returns:
+        The :class:`History` of the run.
+
+    Raises:
+        FloatingPointError: if the loss becomes NaN or infinite.
+    """
+    config = config or TrainConfig()
+    dev = torch.device(config.device) if config.device else default_device()
+    model.to(dev)
+    block_size = model.config.block_size
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    generator = torch.Generator().manual_seed(config.seed)
+    history = History()
+    splits = {"train": train_data, "val": val_data}
+
+    def evaluate(step: int) -> None:
+        losses = estimate_loss(model, splits, config.batch_size, block_size, config.eval_iters, config.seed + 1, dev)
+        history.steps.append(step)
+        history.train_loss.append(losses["train"])
+        history.val_loss.append(losses["val"])
+        bar.set_postfix(train=f"{losses['train']:.3f}", val=f"{losses['val']:.3f}")
+
+    start, eval_time = time.perf_counter(), 0.0
+    model.train()
+    with tqdm(range(config.max_iters), desc="training", disable=not progress, mininterval=2.0, ncols=90) as bar:
+        for step in bar:
+            if step % config.eval_interval == 0:
+                t0 = time.perf_counter()
+                evaluate(step)
+                eval_time += time.perf_counter() - t0
+            x, y = get_batch(train_data, config.batch_size, block_size, generator, dev)
+            _, loss = model(x, y)
+            if not math.isfinite(loss.item()):
+                raise FloatingPointError(f"loss became {loss.item()} at step {step}; try a lower learning_rate")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if config.grad_clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            optimizer.step()
+        t0 = time.perf_counter()
+        evaluate(config.max_iters)
+        eval_time += time.perf_counter() - t0
+    history.elapsed_s = time.perf_counter() - start
+    train_time = history.elapsed_s - eval_time
+    history.tokens_per_s = config.max_iters * config.batch_size * block_size / max(train_time, 1e-9)
+    return history
+
+
+def save_checkpoint(path: str | Path, model: nn.Module, **extra) -> None:
+    """Save the model's config and weights (and any JSON-able ``extra``) to ``path``."""
+    torch.save({"config": asdict(model.config), "state_dict": model.state_dict(), **extra}, path)
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu"):
+    """Rebuild the :class:`attnlib.GPT` saved by :func:`save_checkpoint`; returns ``(model, extra)``."""
+    from attnlib.config import GPTConfig
+    from attnlib.model import GPT
+
+    ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    model = GPT(GPTConfig(**ckpt.pop("config")))
+    model.load_state_dict(ckpt.pop("state_dict"))
+    return model, ckpt
+
+
+def main(argv: list[str] | None = None) -> History:
+    """Command line: train a character GPT on Tiny Shakespeare, print losses and a sample."""
+    from attnlib.config import GPTConfig
+    from attnlib.data import load_char_corpus
+    from attnlib.model import GPT
+
+    defaults_m, defaults_t = GPTConfig(), TrainConfig()
+    p = argparse.ArgumentParser(prog="python -m attnlib.train", description=main.__doc__)
+    p.add_argument("--attention", default=defaults_m.attention)
+    p.add_argument("--d-model", type=int, default=defaults_m.d_model)
+    p.add_argument("--n-heads", type=int, default=defaults_m.n_heads)
+    p.add_argument("--n-kv-heads", type=int, default=None)
+    p.add_argument("--n-layers", type=int, default=defaults_m.n_layers)
+    p.add_argument("--block-size", type=int, default=defaults_m.block_size)
+    p.add_argument("--dropout", type=float, default=defaults_m.dropout)
+    p.add_argument("--batch-size", type=int, default=defaults_t.batch_size)
+    p.add_argument("--max-iters", type=int, default=defaults_t.max_iters)
+    p.add_argument("--eval-interval", type=int, default=defaults_t.eval_interval)
+    p.add_argument("--eval-iters", type=int, default=defaults_t.eval_iters)
+    p.add_argument("--lr", type=float, default=defaults_t.learning_rate)
+    p.add_argument("--seed", type=int, default=defaults_t.seed)
+    p.add_argument("--device", default=None)
+    p.add_argument("--data-dir", default=None, help="directory holding tinyshakespeare.txt")
+    p.add_argument("--out", default=None, help="directory for model.pt and history.json")
+    p.add_argument("--sample-tokens", type=int, default=300)
+    args = p.parse_args(argv)
+
+    corpus = load_char_corpus(args.data_dir)
+    torch.manual_seed(args.seed)
+    model = GPT(
+        GPTConfig(
+            vocab_size=corpus.vocab_size,
+            block_size=args.block_size,
+            n_layers=args.n_layers,
+            n_heads=args.n_heads,
+            d_model=args.d_model,
+            n_kv_heads=args.n_kv_heads,
+            dropout=args.dropout,
+            attention=args.attention,
+        )
+    )
+    config = TrainConfig(
+        batch_size=args.batch_size,
+        max_iters=args.max_iters,
+        eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters,
+        learning_rate=args.lr,
+        seed=args.seed,
+        device=args.device,
+    )
+    print(f"{model.num_parameters():,} parameters; training on {config.device or default_device()}")
+    history = train(model, corpus.train, corpus.val, config)
+    for step, tr, va in zip(history.steps, history.train_loss, history.val_loss):
+        print(f"step {step:5d}: train loss {tr:.4f}, val loss {va:.4f}")
+    print(f"{history.elapsed_s:.1f} s, {history.tokens_per_s:,.0f} training tokens/s")
+    start = torch.tensor([corpus.tokenizer.encode("\n")], device=next(model.parameters()).device)
+    sample = model.generate(start, args.sample_tokens, generator=torch.Generator(start.device).manual_seed(args.seed))
+    print(corpus.tokenizer.decode(sample[0].tolist()))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        save_checkpoint(out / "model.pt", model.cpu(), chars="".join(corpus.tokenizer.chars))
+        history.to_json(out / "history.json")
+        print(f"saved {out / 'model.pt'} and {out / 'history.json'}")
+    return history
+
+
+if __name__ == "__main__":
+    main()
