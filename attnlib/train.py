@@ -58,6 +58,10 @@ class TrainConfig:
             positive_int(name, getattr(self, name))
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate={self.learning_rate} must be > 0")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay={self.weight_decay} must be >= 0")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"grad_clip={self.grad_clip} must be > 0 (or None for no clipping)")
 
 
 @dataclass
@@ -140,10 +144,11 @@ def train(
     config: TrainConfig | None = None,
     progress: bool = True,
 ) -> History:
-    """Train ``model`` (an :class:`attnlib.GPT` or any module with its ``forward(idx, targets)``) with AdamW.
+    """Train ``model`` with AdamW on random windows of ``train_data``.
 
     Args:
-        model: moved to ``config.device`` in place.
+        model: an :class:`attnlib.GPT`, or any module with ``forward(idx, targets) -> (logits, loss)``
+            and a ``config.block_size`` (the window length); moved to the device in place.
         train_data, val_data: 1-D int64 token tensors.
         config: a :class:`TrainConfig` (defaults if ``None``).
         progress: show a tqdm progress bar with the latest losses.
@@ -155,9 +160,11 @@ def train(
         FloatingPointError: if the loss becomes NaN or infinite.
     """
     config = config or TrainConfig()
+    block_size = getattr(getattr(model, "config", None), "block_size", None)
+    if block_size is None:
+        raise TypeError(f"model must have a config.block_size (as attnlib.GPT has); got {type(model).__name__}")
     dev = torch.device(config.device) if config.device else default_device()
     model.to(dev)
-    block_size = model.config.block_size
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     generator = torch.Generator().manual_seed(config.seed)
     history = History()

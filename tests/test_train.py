@@ -41,10 +41,23 @@ def test_history_json_round_trip(tmp_path):
     assert History.from_json(tmp_path / "h.json") == h
 
 
-@pytest.mark.parametrize("kwargs, message", [(dict(max_iters=0), "max_iters=0"), (dict(learning_rate=0), "learning_rate=0")])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_iters=0), "max_iters=0"),
+        (dict(learning_rate=0), "learning_rate=0"),
+        (dict(weight_decay=-0.1), "weight_decay=-0.1"),
+        (dict(grad_clip=0.0), "grad_clip=0.0"),
+    ],
+)
 def test_train_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**kwargs)
+
+
+def test_train_rejects_a_model_without_block_size():
+    with pytest.raises(TypeError, match="config.block_size"):
+        train(torch.nn.Linear(2, 2), periodic_data(), periodic_data(), TrainConfig(max_iters=1), progress=False)
 
 
 def test_command_line_trains_saves_and_loads(tmp_path, capsys, monkeypatch):

@@ -1,0 +1,9 @@
+"""Checks for the chapters' exercises: ``from attnlib.exercises import ch03; ch03.check_padding_mask(fn)``.
+
+Each check prints ``Exercise NN.k: correct`` / ``not solved yet: …`` / ``wrong: …``
+and never raises. :func:`grade` returns the same verdict as a value (used by the tests).
+"""
+from attnlib.exercises import ch01, ch02, ch03, ch04, ch12
+from attnlib.exercises._core import CORRECT, EXERCISES, NOT_SOLVED, WRONG, Verdict, grade
+
+__all__ = ["CORRECT", "EXERCISES", "NOT_SOLVED", "WRONG", "Verdict", "grade", "ch01", "ch02", "ch03", "ch04", "ch12"]

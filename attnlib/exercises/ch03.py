@@ -1,0 +1,166 @@
+"""Exercise checks for chapter 03 (causal attention): masks and a leak detector.
+
+* 03.1 ``bottom_right_causal_mask(T_q, T_k)`` -> bool ``(T_q, T_k)``
+* 03.2 ``batch_attention_mask(lengths, T)`` -> bool ``(B, T, T)`` (causal & right padding)
+* 03.3 ``sliding_window_mask(T, window)`` -> bool ``(T, T)`` (causal, at most ``window`` keys per query)
+* 03.4 ``leaks(module, T, d_model)`` -> bool (does the module let the future move the past?)
+
+The graders draw their random inputs from a local ``torch.Generator`` and build their
+test modules inside ``torch.random.fork_rng``, so checking an answer never changes the
+notebook's global random state.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attnlib.attention.teaching import CausalAttention, SelfAttentionV2
+from attnlib.exercises._core import exercise, expect, expect_close
+from attnlib.functional import causal_mask, padding_mask
+
+__all__ = [
+    "check_bottom_right_causal_mask",
+    "check_batch_attention_mask",
+    "check_sliding_window_mask",
+    "check_leak_detector",
+]
+
+
+def _expect_bool_mask(mask: object, shape: tuple[int, ...], what: str) -> None:
+    expect(isinstance(mask, torch.Tensor), f"{what} should be a torch.Tensor, got {type(mask).__name__}")
+    expect(tuple(mask.shape) == shape, f"{what} has shape {tuple(mask.shape)}, expected {shape}")
+    expect(mask.dtype == torch.bool, f"{what} has dtype {mask.dtype}; return a boolean mask (True = may attend)")
+
+
+@exercise("03.1")
+def check_bottom_right_causal_mask(fn) -> None:
+    """Check a ``(T_q, T_k)`` causal mask aligned to the bottom-right corner."""
+    for T_q, T_k in [(1, 1), (4, 4), (2, 6), (1, 5), (3, 8), (5, 7)]:
+        what = f"bottom_right_causal_mask({T_q}, {T_k})"
+        mask = fn(T_q, T_k)
+        _expect_bool_mask(mask, (T_q, T_k), what)
+        expected = causal_mask(T_q, T_k)
+        if T_q < T_k and torch.equal(mask, torch.ones(T_q, T_k, dtype=torch.bool).tril()):
+            expect(False, f"{what} is aligned to the top-left: the last query is the newest token and must see all "
+                          f"{T_k} keys; shift the diagonal by T_k - T_q")
+        expect(bool(mask[-1].all()), f"{what}: the last query (the newest token) must see every key")
+        expect(not bool((mask & ~expected).any()), f"{what} lets a query see a key after its own position "
+                                                   f"T_k - T_q + i")
+        expect_close(mask, expected, what)
+
+
+@exercise("03.2")
+def check_batch_attention_mask(fn) -> None:
+    """Check a ``(B, T, T)`` mask combining the causal mask with right padding."""
+    g = torch.Generator().manual_seed(3)
+    cases = [(torch.tensor([4, 2, 3]), 4), (torch.tensor([5]), 5), (torch.tensor([1, 6, 0, 3]), 6)]
+    cases.append((torch.randint(0, 8, (5,), generator=g), 7))
+    for lengths, T in cases:
+        what = f"batch_attention_mask(lengths={lengths.tolist()}, T={T})"
+        mask = fn(lengths.clone(), T)
+        _expect_bool_mask(mask, (len(lengths), T, T), what)
+        causal = causal_mask(T)
+        keys_real = padding_mask(lengths, T)  # (B, 1, T)
+        queries_real = keys_real.transpose(1, 2)  # (B, T, 1)
+        expected = causal & keys_real
+        if torch.equal(mask, expected):
+            continue
+        if torch.equal(mask, causal.expand_as(mask)):
+            expect(False, f"{what} ignores the lengths: no query may attend to a pad key j >= lengths[b]")
+        expect(not bool((mask & ~causal).any()), f"{what} lets query i see a key j > i: the causal part is missing")
+        expect(not bool((mask & ~keys_real).any()),
+               f"{what} lets a query attend to pad keys (j >= lengths[b]); mask the key dimension (the last one)")
+        if torch.equal(mask, causal & queries_real):
+            expect(False, f"{what} masks pad queries (rows) instead of pad keys (columns)")
+        expect_close(mask, expected, what)
+
+
+@exercise("03.3")
+def check_sliding_window_mask(fn) -> None:
+    """Check a causal mask in which each query sees at most ``window`` keys, itself included."""
+    for T, window in [(6, 3), (6, 1), (6, 6), (5, 10), (1, 1), (9, 4)]:
+        what = f"sliding_window_mask({T}, {window})"
+        mask = fn(T, window)
+        _expect_bool_mask(mask, (T, T), what)
+        i = torch.arange(T)[:, None]
+        j = torch.arange(T)[None, :]
+        expected = (j <= i) & (i - j < window)
+        expect(not bool((mask & ~causal_mask(T)).any()), f"{what} lets query i see a key j > i: keep it causal")
+        counts = mask.sum(-1)
+        want = expected.sum(-1)
+        if not torch.equal(counts, want):
+            expect(False, f"{what}: row i should have min(i + 1, window) True entries, i.e. {want.tolist()}; "
+                          f"got {counts.tolist()} (the window counts the query's own position)")
+        expect_close(mask, expected, what)
+
+
+class _LeakTokenEverywhere(nn.Module):
+    """A causal head plus a tiny term from the last input added to every position."""
+
+    def __init__(self, head: nn.Module, size: float) -> None:
+        super().__init__()
+        self.head, self.size = head, size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.head(x)  # (B, T, head_dim)
+        return out + self.size * x[:, -1:, : out.shape[-1]]  # (B, 1, head_dim) broadcast over T
+
+
+class _PeekOneAhead(nn.Module):
+    """A causal head whose output at one middle position also reads the next input."""
+
+    def __init__(self, head: nn.Module, position: int) -> None:
+        super().__init__()
+        self.head, self.position = head, position
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.head(x).clone()
+        t = self.position
+        out[:, t] = out[:, t] + 0.5 * x[:, t + 1, : out.shape[-1]]
+        return out
+
+
+class _RunningMean(nn.Module):
+    """Causal without attention: the mean of the inputs up to each position, through a Linear."""
+
+    def __init__(self, d_model: int, out_dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d_model, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        counts = torch.arange(1, x.shape[1] + 1, device=x.device, dtype=x.dtype)[:, None]  # (T, 1)
+        return torch.tanh(self.proj(x.cumsum(1) / counts))  # (B, T, d_model) -> (B, T, out_dim)
+
+
+@exercise("03.4")
+def check_leak_detector(fn) -> None:
+    """Check a leak detector on causal modules and on modules that leak in different ways."""
+    T, d_model, head_dim = 7, 8, 4
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(30)
+        causal = CausalAttention(d_model, head_dim, block_size=16)
+        causal_dropout = CausalAttention(d_model, head_dim, block_size=16, dropout=0.2).train()
+        running_mean = _RunningMean(d_model, head_dim)
+        full = SelfAttentionV2(d_model, head_dim)
+        tiny = _LeakTokenEverywhere(CausalAttention(d_model, head_dim, block_size=16), size=1e-4)
+        peek = _PeekOneAhead(CausalAttention(d_model, head_dim, block_size=16), position=3)
+        modules = [
+            ("attnlib.CausalAttention", causal, False, "a causal head was reported as leaking"),
+            ("a causal head with dropout 0.2, in training mode", causal_dropout, False,
+             "dropout makes two runs differ by chance: call module.eval() before comparing"),
+            ("a causal running mean", running_mean, False, "a causal module was reported as leaking"),
+            ("a head without mask", full, True, "a head that sees everything was reported as causal"),
+            ("a causal head plus 1e-4 times the last input", tiny, True,
+             "a leak of size 1e-4 went unnoticed: use a tight tolerance (1e-6), not a loose allclose"),
+            ("a head whose output 3 also reads input 4", peek, True,
+             "a leak from position 4 into position 3 only went unnoticed: try every t, redraw the inputs after t, "
+             "compare the outputs up to t"),
+        ]
+        # The learner's detector probably draws from the global generator: seed it here, inside
+        # fork_rng, so the verdict is reproducible and the notebook's random state is untouched.
+        torch.manual_seed(31)
+        for name, module, should_leak, hint in modules:
+            answer = fn(module, T, d_model)
+            expect(isinstance(answer, bool) or (isinstance(answer, torch.Tensor) and answer.numel() == 1),
+                   f"leaks(...) should return True or False, got {type(answer).__name__}")
+            expect(bool(answer) == should_leak, f"on {name}: {hint}")

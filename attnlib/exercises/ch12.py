@@ -1,0 +1,189 @@
+"""Exercise checks for chapter 12 (GPT): counting its parameters and filtering next-token logits.
+
+* 12.1 ``gpt_param_count(config)`` -> int, the parameters of ``attnlib.GPT(config)`` without building it
+* 12.2 ``top_k_by_hand(logits, k)`` -> logits with all but the ``k`` largest of each row set to ``-inf``
+* 12.3 ``top_p_by_hand(logits, p)`` -> logits outside the nucleus of probability ``p`` set to ``-inf``
+
+The graders draw their random logits from a local ``torch.Generator`` and build their
+reference models on the ``meta`` device inside ``torch.random.fork_rng``, so checking an
+answer never changes the notebook's global random state.
+"""
+from __future__ import annotations
+
+from unittest import mock
+
+import torch
+
+from attnlib.config import GPTConfig
+from attnlib.exercises._core import Wrong, exercise, expect
+from attnlib.generate import top_k_filter, top_p_filter
+from attnlib.model import GPT
+
+__all__ = ["check_gpt_param_count", "check_top_k_by_hand", "check_top_p_by_hand"]
+
+
+# ---------------------------------------------------------------- 12.1
+
+_CONFIGS = [
+    ("the chapter's model", GPTConfig()),
+    ("bias=False", GPTConfig(bias=False)),
+    ("one layer, one head", GPTConfig(vocab_size=10, block_size=8, n_layers=1, n_heads=1, d_model=16)),
+    ("a wider model", GPTConfig(vocab_size=100, block_size=64, n_layers=3, n_heads=8, d_model=128)),
+    ("a wider model, bias=False", GPTConfig(vocab_size=100, block_size=64, n_layers=3, n_heads=8, d_model=128, bias=False)),
+    ("GPT-2 small", GPTConfig(vocab_size=50257, block_size=1024, n_layers=12, n_heads=12, d_model=768)),
+]
+
+
+def _reference_count(config: GPTConfig) -> int:
+    """``GPT(config).num_parameters()``, built on the meta device (no memory, no random numbers)."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        return GPT(config).num_parameters()
+
+
+def _refuse_to_build(*args, **kwargs):
+    raise Wrong("count with a formula: the check does not let your function build an attnlib.GPT")
+
+
+def _explain_difference(config: GPTConfig, diff: int) -> str:
+    """A hint naming the part of the model that a count off by ``diff`` most likely got wrong."""
+    d, L, V, T = config.d_model, config.n_layers, config.vocab_size, config.block_size
+    linear_biases = 9 * d * L  # qkv 3d + out_proj d + fc 4d + proj d, per block
+    norm_biases = 2 * d * L + d  # ln_1 and ln_2 per block, and ln_f
+    known = {
+        V * d: "lm_head is tied to tok_emb (the same tensor): count it once",
+        -V * d: "the token embedding (vocab_size * d_model) is missing",
+        -T * d: "the learned position embedding (block_size * d_model) is missing",
+        T * d: "the position embedding was counted twice",
+        -4 * d * L: "the two LayerNorms of each block (ln_1 and ln_2) are missing",
+    }
+    if config.bias:
+        known[-2 * d] = "the final LayerNorm ln_f (weight and bias: 2 * d_model) is missing"
+        known[-linear_biases] = ("the biases of the Linear layers are missing (per block: qkv 3 * d_model, "
+                                 "out_proj d_model, fc 4 * d_model, proj d_model)")
+        known[-(linear_biases + norm_biases)] = "the biases are missing (every Linear and every LayerNorm has one)"
+        known[-norm_biases] = "the LayerNorm biases are missing (ln_1, ln_2 and ln_f each have d_model)"
+    else:
+        known[-d] = "the final LayerNorm ln_f (its weight: d_model) is missing"
+        known[linear_biases + norm_biases] = (
+            "with bias=False no Linear layer and no LayerNorm has a bias (a LayerNorm keeps only its weight)")
+        known[norm_biases] = "with bias=False the LayerNorms have no bias either: count only their weight"
+        known[linear_biases] = "with bias=False the Linear layers have no bias"
+    return known.get(diff, "compare part by part with the parameter table in the chapter")
+
+
+@exercise("12.1")
+def check_gpt_param_count(fn) -> None:
+    """Check a formula for ``attnlib.GPT(config).num_parameters()`` on several configurations."""
+    for what, config in _CONFIGS:
+        expected = _reference_count(config)
+        with mock.patch.object(GPT, "__init__", _refuse_to_build):
+            got = fn(config)
+        expect(isinstance(got, int) and not isinstance(got, bool),
+               f"return a Python int; got {type(got).__name__} for {what}")
+        if got != expected:
+            hint = _explain_difference(config, got - expected)
+            expect(False, f"{what} ({config}): you counted {got:,}, the model has {expected:,} "
+                          f"(off by {got - expected:+,}); {hint}")
+
+
+# ---------------------------------------------------------------- 12.2 and 12.3
+
+def _random_logits(g: torch.Generator) -> list[torch.Tensor]:
+    return [
+        torch.randn(7, generator=g) * 2,
+        torch.randn(3, 10, generator=g),
+        torch.randn(2, 4, 65, generator=g) * 3,
+    ]
+
+
+def _expect_filtered(out: object, logits: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Shared checks of a filtered logits tensor: its type, its shape, and -inf (not 0) for removed tokens."""
+    expect(isinstance(out, torch.Tensor), f"{what} should return a torch.Tensor, got {type(out).__name__}")
+    expect(tuple(out.shape) == tuple(logits.shape), f"{what} has shape {tuple(out.shape)}; keep the shape of "
+                                                    f"logits {tuple(logits.shape)}")
+    removed = torch.isinf(expected)
+    if not torch.isinf(out).any() and removed.any():
+        expect(False, f"{what}: removed tokens must get -inf (so softmax gives them probability 0), not 0 or a "
+                      f"small number")
+
+
+def _expect_same_tokens(out: torch.Tensor, logits: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """With the right count per row: the right tokens kept, their logits unchanged."""
+    removed = torch.isinf(expected)
+    if not torch.equal(torch.isinf(out), removed):
+        expect(False, f"{what} keeps the right number of tokens per row but not the right ones: keep the most "
+                      f"likely tokens, in vocabulary order (undo any sorting)")
+    expect(bool(torch.equal(out[~removed], logits[~removed])),
+           f"{what} changes the logits it keeps; leave them as they are")
+
+
+def _kept(logits: torch.Tensor) -> torch.Tensor:
+    """How many tokens of each row survive a filter (are not -inf)."""
+    return (~torch.isinf(logits)).sum(-1)
+
+
+@exercise("12.2")
+def check_top_k_by_hand(fn) -> None:
+    """Check top-k filtering against ``attnlib.generate.top_k_filter``."""
+    g = torch.Generator().manual_seed(12)
+    cases = []
+    for logits in _random_logits(g):
+        V = logits.shape[-1]
+        cases += [(logits, 1), (logits, 3), (logits, V), (logits, V + 5)]
+    cases.append((torch.tensor([[1.0, 3.0, 2.0, 3.0, 0.5], [4.0, 4.0, 4.0, 1.0, 0.0]]), 2))  # ties at the k-th value
+    for logits, k in cases:
+        what = f"top_k_by_hand(logits of shape {tuple(logits.shape)}, k={k})"
+        original = logits.clone()
+        out = fn(logits, k)
+        expect(torch.equal(logits, original), f"{what} modified its input in place; return a new tensor")
+        expected = top_k_filter(logits, k)
+        _expect_filtered(out, logits, expected, what)
+        kept, want = _kept(out), _kept(expected)
+        if torch.equal(kept, want):
+            _expect_same_tokens(out, logits, expected, what)
+            continue
+        if k > logits.shape[-1]:
+            expect(False, f"{what}: k is larger than the vocabulary ({logits.shape[-1]}), so every token stays")
+        if logits.dim() > 1 and kept.sum().item() == k:
+            expect(False, f"{what} keeps {k} tokens in total; keep k tokens in every row (work on dim=-1)")
+        if bool((kept < want).any()) and bool((kept >= min(k, logits.shape[-1])).all()):
+            expect(False, f"{what}: tokens tied with the k-th largest logit must stay too; compare every logit "
+                          f"with the k-th largest value (>=) instead of keeping the indices topk returns")
+        if torch.equal(kept, want - 1):
+            expect(False, f"{what} keeps one token too few per row: keep the logits >= the k-th largest (not >)")
+        expect(False, f"{what}: keep the k largest logits of each row; expected {want.tolist()} kept per row, "
+                      f"got {kept.tolist()}")
+
+
+@exercise("12.3")
+def check_top_p_by_hand(fn) -> None:
+    """Check nucleus (top-p) filtering against ``attnlib.generate.top_p_filter``."""
+    g = torch.Generator().manual_seed(13)
+    cases = []
+    for logits in _random_logits(g):
+        cases += [(logits, p) for p in (0.05, 0.5, 0.9, 1.0)]
+    # probabilities 0.15, 0.5, 0.05, 0.3 (scrambled): the nucleus of 0.7 is {0.5, 0.3}, of 0.4 just {0.5}
+    scrambled = torch.tensor([0.15, 0.5, 0.05, 0.3]).log()
+    cases += [(scrambled, 0.7), (scrambled, 0.4), (scrambled, 0.95)]
+    for logits, p in cases:
+        what = f"top_p_by_hand(logits of shape {tuple(logits.shape)}, p={p})"
+        original = logits.clone()
+        out = fn(logits, p)
+        expect(torch.equal(logits, original), f"{what} modified its input in place; return a new tensor")
+        expected = top_p_filter(logits, p)
+        _expect_filtered(out, logits, expected, what)
+        kept, want = _kept(out), _kept(expected)
+        if torch.equal(kept, want):
+            _expect_same_tokens(out, logits, expected, what)
+            continue
+        expect(not bool((kept == 0).any()),
+               f"{what} removes every token of a row: the most likely token always stays, even when its "
+               f"probability alone exceeds p")
+        if bool((kept <= want).all()) and bool((kept == want - 1).any()):
+            expect(False, f"{what} drops the token that makes the running sum reach p; keep it (drop a token only "
+                          f"when the tokens before it already sum to p)")
+        if bool((kept >= want).all()) and bool((kept == want + 1).any()):
+            expect(False, f"{what} keeps one token too many: stop at the first token whose running sum reaches p")
+        expect(False, f"{what}: sort the probabilities (softmax of the logits) in decreasing order and keep the "
+                      f"shortest prefix whose sum reaches p; expected {want.tolist()} kept per row, got "
+                      f"{kept.tolist()}")

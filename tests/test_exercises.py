@@ -1,0 +1,46 @@
+"""Every registered exercise check: an unanswered stub is 'not solved yet', and grading never raises or moves the RNG."""
+import pytest
+import torch
+
+from attnlib.exercises import EXERCISES, NOT_SOLVED, WRONG, grade
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError("your code here")
+
+
+def crashes(*args, **kwargs):
+    raise RuntimeError("boom")
+
+
+def test_every_chapter_registers_exercises():
+    chapters = {exercise_id.split(".")[0] for exercise_id in EXERCISES}
+    assert chapters == {"01", "02", "03", "04", "12"}
+
+
+@pytest.mark.parametrize("exercise_id", sorted(EXERCISES))
+def test_stub_and_none_are_not_solved(exercise_id):
+    assert grade(exercise_id, stub).status == NOT_SOLVED
+    assert grade(exercise_id, None).status == NOT_SOLVED
+
+
+@pytest.mark.parametrize("exercise_id", sorted(EXERCISES))
+def test_an_answer_that_raises_is_wrong_not_a_crash(exercise_id, capsys):
+    torch.manual_seed(0)
+    expected = torch.rand(2)
+    torch.manual_seed(0)
+    verdict = grade(exercise_id, crashes)
+    assert verdict.status == WRONG and "RuntimeError: boom" in verdict.detail
+    assert torch.equal(torch.rand(2), expected)
+
+
+def test_check_functions_print_one_verdict_line(capsys):
+    from attnlib.exercises import ch03
+
+    ch03.check_bottom_right_causal_mask(stub)
+    assert capsys.readouterr().out.startswith("Exercise 03.1: not solved yet")
+
+
+def test_unknown_exercise_id():
+    with pytest.raises(KeyError, match="no exercise '99.1'"):
+        grade("99.1", stub)
