@@ -9,7 +9,6 @@ BIN     = $(VENV)/bin
 # otherwise attnlib downloads it once into ~/.cache/attnlib (sha256-checked).
 ATTNLIB_DATA_DIR ?= $(if $(wildcard ../shared/data/tinyshakespeare.txt),$(abspath ../shared/data))
 export ATTNLIB_DATA_DIR
-export MPLBACKEND = Agg
 export PYDEVD_DISABLE_FILE_VALIDATION = 1
 NBVAL   = --nbval --nbval-current-env --nbval-sanitize-with .nbval_sanitize.cfg --nbval-cell-timeout 600
 
