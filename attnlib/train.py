@@ -100,7 +100,7 @@ class History:
         Path(path).write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "History":
+    def from_json(cls, path: str | Path) -> History:
         return cls(**json.loads(Path(path).read_text()))
 
 

@@ -10,8 +10,8 @@ import torch
 
 from attnlib import data
 from attnlib.data import (
-    ChecksumError,
     CharTokenizer,
+    ChecksumError,
     DataNotFoundError,
     get_batch,
     load_char_corpus,

@@ -6,7 +6,6 @@ import torch
 
 from attnlib.exercises import CORRECT, NOT_SOLVED, WRONG, grade
 
-
 # ---------------------------------------------------------------- reference answers (as in the solutions)
 
 

@@ -8,7 +8,6 @@ from torch import nn
 
 from attnlib.exercises import CORRECT, NOT_SOLVED, WRONG, grade
 
-
 # --------------------------------------------------------------------------- 02.1 attention by hand
 
 

@@ -7,7 +7,7 @@
 * 02.3 ``check_score_variance``: an empirical estimate of the variance of ``q·k``
   before and after dividing by ``sqrt(head_dim)``.
 
-Every grader draws its inputs from a local :class:`torch.Generator` and runs the answer
+Every grader draws its inputs from a local :class:`torch.Generator`; ``grade`` runs it
 inside :func:`torch.random.fork_rng`, so checking an answer never changes what a
 notebook samples next.
 """
@@ -84,7 +84,7 @@ def check_attention(fn) -> None:
     g = torch.Generator().manual_seed(201)
     for q_shape, k_shape, v_shape in _ATTENTION_SHAPES:
         q, k, v = (torch.randn(*shape, generator=g) for shape in (q_shape, k_shape, v_shape))
-        with _library_attention_forbidden(), torch.random.fork_rng(devices=[]):
+        with _library_attention_forbidden():
             try:
                 out = fn(q.clone(), k.clone(), v.clone())
             except (NotImplementedError, Wrong):
@@ -115,14 +115,13 @@ def check_attention(fn) -> None:
 
 
 def _random_head(d_model: int, head_dim: int, bias: bool, seed: int) -> SelfAttentionV2:
-    """A SelfAttentionV2 with seeded weights, built without touching the global random state."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        head = SelfAttentionV2(d_model, head_dim, bias=bias)
-        if bias:  # nn.Linear draws small biases; make them large enough that a missing one shows
-            with torch.no_grad():
-                for linear in (head.W_query, head.W_key, head.W_value):
-                    linear.bias.normal_()
+    """A SelfAttentionV2 with seeded weights (graders run inside grade()'s RNG fork, so the notebook's state is kept)."""
+    torch.manual_seed(seed)
+    head = SelfAttentionV2(d_model, head_dim, bias=bias)
+    if bias:  # nn.Linear draws small biases; make them large enough that a missing one shows
+        with torch.no_grad():
+            for linear in (head.W_query, head.W_key, head.W_value):
+                linear.bias.normal_()
     return head
 
 
@@ -132,8 +131,7 @@ def check_fuse_qkv(fn) -> None:
     g = torch.Generator().manual_seed(202)
     for seed, (d_model, head_dim, bias) in enumerate(((6, 4, False), (5, 3, True), (4, 4, True))):
         head = _random_head(d_model, head_dim, bias, seed)
-        with torch.random.fork_rng(devices=[]):  # building an nn.Linear draws from the global generator
-            fused = fn(head)
+        fused = fn(head)
         expect(isinstance(fused, nn.Linear), f"return an nn.Linear, got {type(fused).__name__}")
         expect(
             fused.in_features == d_model and fused.out_features == 3 * head_dim,
@@ -188,41 +186,40 @@ def _as_float(value, what: str) -> float:
 def check_score_variance(fn) -> None:
     """Grade ``fn(head_dim, n, std, generator) -> (var_unscaled, var_scaled)``: about head_dim·std⁴ and std⁴."""
     n, rel_tol = 20_000, 0.1  # the estimate's relative spread is about sqrt(2 / n) = 1%
-    with torch.random.fork_rng(devices=[]):
-        for seed, (head_dim, std) in enumerate(((4, 1.0), (64, 1.0), (32, 2.0), (8, 0.5))):
-            answer = fn(head_dim, n, std, torch.Generator().manual_seed(203 + seed))
-            expect(
-                isinstance(answer, (tuple, list)) and len(answer) == 2,
-                f"return a pair (var_unscaled, var_scaled), got {type(answer).__name__}",
-            )
-            unscaled = _as_float(answer[0], "var_unscaled")
-            scaled = _as_float(answer[1], "var_scaled")
-            want_unscaled, want_scaled = head_dim * std**4, std**4
-            where = f"for head_dim={head_dim}, std={std}"
-            expect(
-                not math.isclose(scaled, want_scaled / head_dim, rel_tol=rel_tol) or head_dim == 1,
-                f"{where} var_scaled = {scaled:.3g} = std^4 / head_dim: you divided the dot products by head_dim; "
-                "divide by sqrt(head_dim)",
-            )
-            expect(
-                std == 1.0 or not math.isclose(unscaled, head_dim, rel_tol=rel_tol),
-                f"{where} var_unscaled = {unscaled:.3g}, about head_dim: your entries have standard deviation 1; "
-                "multiply them by std",
-            )
-            expect(
-                math.isclose(unscaled, want_unscaled, rel_tol=rel_tol),
-                f"{where} var_unscaled = {unscaled:.3g}, expected about head_dim * std^4 = {want_unscaled:.3g} "
-                "(draw entries with mean 0 and standard deviation std, e.g. std * torch.randn(...), and take "
-                "the variance of the n dot products q_i . k_i)",
-            )
-            expect(
-                math.isclose(scaled, want_scaled, rel_tol=rel_tol),
-                f"{where} var_scaled = {scaled:.3g}, expected about std^4 = {want_scaled:.3g} (the variance of "
-                "the dot products divided by sqrt(head_dim))",
-            )
-        again = fn(8, n, 0.5, torch.Generator().manual_seed(303))
+    for seed, (head_dim, std) in enumerate(((4, 1.0), (64, 1.0), (32, 2.0), (8, 0.5))):
+        answer = fn(head_dim, n, std, torch.Generator().manual_seed(203 + seed))
         expect(
-            (_as_float(again[0], "var_unscaled"), _as_float(again[1], "var_scaled")) != (unscaled, scaled),
-            "two different generators gave exactly the same numbers: estimate the variances from random samples "
-            "drawn with the generator argument, do not return the formula",
+            isinstance(answer, (tuple, list)) and len(answer) == 2,
+            f"return a pair (var_unscaled, var_scaled), got {type(answer).__name__}",
         )
+        unscaled = _as_float(answer[0], "var_unscaled")
+        scaled = _as_float(answer[1], "var_scaled")
+        want_unscaled, want_scaled = head_dim * std**4, std**4
+        where = f"for head_dim={head_dim}, std={std}"
+        expect(
+            not math.isclose(scaled, want_scaled / head_dim, rel_tol=rel_tol) or head_dim == 1,
+            f"{where} var_scaled = {scaled:.3g} = std^4 / head_dim: you divided the dot products by head_dim; "
+            "divide by sqrt(head_dim)",
+        )
+        expect(
+            std == 1.0 or not math.isclose(unscaled, head_dim, rel_tol=rel_tol),
+            f"{where} var_unscaled = {unscaled:.3g}, about head_dim: your entries have standard deviation 1; "
+            "multiply them by std",
+        )
+        expect(
+            math.isclose(unscaled, want_unscaled, rel_tol=rel_tol),
+            f"{where} var_unscaled = {unscaled:.3g}, expected about head_dim * std^4 = {want_unscaled:.3g} "
+            "(draw entries with mean 0 and standard deviation std, e.g. std * torch.randn(...), and take "
+            "the variance of the n dot products q_i . k_i)",
+        )
+        expect(
+            math.isclose(scaled, want_scaled, rel_tol=rel_tol),
+            f"{where} var_scaled = {scaled:.3g}, expected about std^4 = {want_scaled:.3g} (the variance of "
+            "the dot products divided by sqrt(head_dim))",
+        )
+    again = fn(8, n, 0.5, torch.Generator().manual_seed(303))
+    expect(
+        (_as_float(again[0], "var_unscaled"), _as_float(again[1], "var_scaled")) != (unscaled, scaled),
+        "two different generators gave exactly the same numbers: estimate the variances from random samples "
+        "drawn with the generator argument, do not return the formula",
+    )

@@ -5,8 +5,8 @@
 * 03.3 ``sliding_window_mask(T, window)`` -> bool ``(T, T)`` (causal, at most ``window`` keys per query)
 * 03.4 ``leaks(module, T, d_model)`` -> bool (does the module let the future move the past?)
 
-The graders draw their random inputs from a local ``torch.Generator`` and build their
-test modules inside ``torch.random.fork_rng``, so checking an answer never changes the
+The graders draw their random inputs from a local ``torch.Generator``; ``grade`` runs
+them inside ``torch.random.fork_rng``, so checking an answer never changes the
 notebook's global random state.
 """
 from __future__ import annotations
@@ -136,31 +136,30 @@ class _RunningMean(nn.Module):
 def check_leak_detector(fn) -> None:
     """Check a leak detector on causal modules and on modules that leak in different ways."""
     T, d_model, head_dim = 7, 8, 4
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(30)
-        causal = CausalAttention(d_model, head_dim, block_size=16)
-        causal_dropout = CausalAttention(d_model, head_dim, block_size=16, dropout=0.2).train()
-        running_mean = _RunningMean(d_model, head_dim)
-        full = SelfAttentionV2(d_model, head_dim)
-        tiny = _LeakTokenEverywhere(CausalAttention(d_model, head_dim, block_size=16), size=1e-4)
-        peek = _PeekOneAhead(CausalAttention(d_model, head_dim, block_size=16), position=3)
-        modules = [
-            ("attnlib.CausalAttention", causal, False, "a causal head was reported as leaking"),
-            ("a causal head with dropout 0.2, in training mode", causal_dropout, False,
-             "dropout makes two runs differ by chance: call module.eval() before comparing"),
-            ("a causal running mean", running_mean, False, "a causal module was reported as leaking"),
-            ("a head without mask", full, True, "a head that sees everything was reported as causal"),
-            ("a causal head plus 1e-4 times the last input", tiny, True,
-             "a leak of size 1e-4 went unnoticed: use a tight tolerance (1e-6), not a loose allclose"),
-            ("a head whose output 3 also reads input 4", peek, True,
-             "a leak from position 4 into position 3 only went unnoticed: try every t, redraw the inputs after t, "
-             "compare the outputs up to t"),
-        ]
-        # The learner's detector probably draws from the global generator: seed it here, inside
-        # fork_rng, so the verdict is reproducible and the notebook's random state is untouched.
-        torch.manual_seed(31)
-        for name, module, should_leak, hint in modules:
-            answer = fn(module, T, d_model)
-            expect(isinstance(answer, bool) or (isinstance(answer, torch.Tensor) and answer.numel() == 1),
-                   f"leaks(...) should return True or False, got {type(answer).__name__}")
-            expect(bool(answer) == should_leak, f"on {name}: {hint}")
+    torch.manual_seed(30)
+    causal = CausalAttention(d_model, head_dim, block_size=16)
+    causal_dropout = CausalAttention(d_model, head_dim, block_size=16, dropout=0.2).train()
+    running_mean = _RunningMean(d_model, head_dim)
+    full = SelfAttentionV2(d_model, head_dim)
+    tiny = _LeakTokenEverywhere(CausalAttention(d_model, head_dim, block_size=16), size=1e-4)
+    peek = _PeekOneAhead(CausalAttention(d_model, head_dim, block_size=16), position=3)
+    modules = [
+        ("attnlib.CausalAttention", causal, False, "a causal head was reported as leaking"),
+        ("a causal head with dropout 0.2, in training mode", causal_dropout, False,
+         "dropout makes two runs differ by chance: call module.eval() before comparing"),
+        ("a causal running mean", running_mean, False, "a causal module was reported as leaking"),
+        ("a head without mask", full, True, "a head that sees everything was reported as causal"),
+        ("a causal head plus 1e-4 times the last input", tiny, True,
+         "a leak of size 1e-4 went unnoticed: use a tight tolerance (1e-6), not a loose allclose"),
+        ("a head whose output 3 also reads input 4", peek, True,
+         "a leak from position 4 into position 3 only went unnoticed: try every t, redraw the inputs after t, "
+         "compare the outputs up to t"),
+    ]
+    # The learner's detector probably draws from the global generator: seed it so the verdict is
+    # reproducible (grade() forks the RNG, so the notebook's random state is untouched).
+    torch.manual_seed(31)
+    for name, module, should_leak, hint in modules:
+        answer = fn(module, T, d_model)
+        expect(isinstance(answer, bool) or (isinstance(answer, torch.Tensor) and answer.numel() == 1),
+               f"leaks(...) should return True or False, got {type(answer).__name__}")
+        expect(bool(answer) == should_leak, f"on {name}: {hint}")

@@ -5,8 +5,8 @@
 * 04.2 ``check_mha_einsum``: the whole multi-head forward pass written with ``torch.einsum``.
 * 04.3 ``check_mha_param_count``: the parameter count of a :class:`attnlib.MultiHeadAttention`.
 
-Every grader draws its test weights from a local ``torch.Generator`` and runs inside
-``torch.random.fork_rng``, so checking an answer never moves the notebook's global
+Every grader draws its test weights from a local ``torch.Generator``; ``grade`` runs it
+inside ``torch.random.fork_rng``, so checking an answer never moves the notebook's global
 random state.
 """
 from __future__ import annotations
@@ -50,64 +50,63 @@ _SPLIT_CASES = [  # (d_model, n_heads, block_size, bias)
 @exercise("04.1")
 def check_split_into_heads(split_into_heads) -> None:
     """Check ``split_into_heads(mha) -> MultiHeadAttentionWrapper`` with ``mha.out_proj(wrapper(x)) == mha(x)``."""
-    with torch.random.fork_rng(devices=[]):
-        g = torch.Generator().manual_seed(404)
-        for d_model, n_heads, block_size, bias in _SPLIT_CASES:
-            mha = _random_mha(d_model, n_heads, block_size, bias, g)
-            before = {name: t.clone() for name, t in mha.state_dict().items()}
-            x = torch.randn(2, block_size, d_model, generator=g)
-            case = f"(d_model={d_model}, n_heads={n_heads}, bias={bias})"
+    g = torch.Generator().manual_seed(404)
+    for d_model, n_heads, block_size, bias in _SPLIT_CASES:
+        mha = _random_mha(d_model, n_heads, block_size, bias, g)
+        before = {name: t.clone() for name, t in mha.state_dict().items()}
+        x = torch.randn(2, block_size, d_model, generator=g)
+        case = f"(d_model={d_model}, n_heads={n_heads}, bias={bias})"
 
-            wrapper = split_into_heads(mha)
-            if wrapper is None:
-                raise NotImplementedError("return a MultiHeadAttentionWrapper, not None")
+        wrapper = split_into_heads(mha)
+        if wrapper is None:
+            raise NotImplementedError("return a MultiHeadAttentionWrapper, not None")
+        expect(
+            isinstance(wrapper, MultiHeadAttentionWrapper),
+            f"return an attnlib.MultiHeadAttentionWrapper; got {type(wrapper).__name__}",
+        )
+        expect(
+            all(torch.equal(t, before[name]) for name, t in mha.state_dict().items()),
+            "your function changed mha's weights: copy them into the heads, leave mha as it was",
+        )
+        expect(
+            len(wrapper.heads) == n_heads,
+            f"{case}: the wrapper has {len(wrapper.heads)} heads, expected n_heads={n_heads}",
+        )
+        head_dim = d_model // n_heads
+        for i, head in enumerate(wrapper.heads):
             expect(
-                isinstance(wrapper, MultiHeadAttentionWrapper),
-                f"return an attnlib.MultiHeadAttentionWrapper; got {type(wrapper).__name__}",
+                head.W_query.out_features == head_dim and head.W_query.in_features == d_model,
+                f"{case}: head {i} maps {head.W_query.in_features} -> {head.W_query.out_features} features; "
+                f"each head should map d_model={d_model} -> head_dim={head_dim}",
             )
             expect(
-                all(torch.equal(t, before[name]) for name, t in mha.state_dict().items()),
-                "your function changed mha's weights: copy them into the heads, leave mha as it was",
+                (head.W_query.bias is not None) == bias,
+                f"{case}: mha {'has' if bias else 'has no'} q/k/v biases, so the heads need bias={bias}",
             )
+        wrapper.eval()
+        with torch.no_grad():
+            mine = wrapper(x)
             expect(
-                len(wrapper.heads) == n_heads,
-                f"{case}: the wrapper has {len(wrapper.heads)} heads, expected n_heads={n_heads}",
+                isinstance(mine, torch.Tensor) and tuple(mine.shape) == (2, block_size, d_model),
+                f"{case}: wrapper(x) should have shape (B, T, n_heads*head_dim) = {(2, block_size, d_model)}; "
+                f"got {tuple(getattr(mine, 'shape', ()))}",
             )
-            head_dim = d_model // n_heads
-            for i, head in enumerate(wrapper.heads):
-                expect(
-                    head.W_query.out_features == head_dim and head.W_query.in_features == d_model,
-                    f"{case}: head {i} maps {head.W_query.in_features} -> {head.W_query.out_features} features; "
-                    f"each head should map d_model={d_model} -> head_dim={head_dim}",
-                )
-                expect(
-                    (head.W_query.bias is not None) == bias,
-                    f"{case}: mha {'has' if bias else 'has no'} q/k/v biases, so the heads need bias={bias}",
-                )
-            wrapper.eval()
-            with torch.no_grad():
-                mine = wrapper(x)
-                expect(
-                    isinstance(mine, torch.Tensor) and tuple(mine.shape) == (2, block_size, d_model),
-                    f"{case}: wrapper(x) should have shape (B, T, n_heads*head_dim) = {(2, block_size, d_model)}; "
-                    f"got {tuple(getattr(mine, 'shape', ()))}",
-                )
-                reference = _head_outputs(mha, x)  # (B, n_heads, T, head_dim)
-                for i in range(n_heads):
-                    got = mine[..., i * head_dim : (i + 1) * head_dim]
-                    if torch.allclose(got, reference[:, i], atol=1e-5, rtol=1e-4):
-                        continue
-                    for j in range(n_heads):
-                        expect(
-                            not torch.allclose(got, reference[:, j], atol=1e-5, rtol=1e-4),
-                            f"{case}: your head {i} computes mha's head {j}; keep the heads in order",
-                        )
-                    raise Wrong(
-                        f"{case}: head {i} gives the wrong output. It must use rows {i * head_dim}:{(i + 1) * head_dim} (i*head_dim:(i+1)*head_dim) of "
-                        "each block of mha.qkv.weight: the q block is rows 0:d_model, the k block d_model:2*d_model, "
-                        "the v block 2*d_model:3*d_model (and the same slices of mha.qkv.bias)"
+            reference = _head_outputs(mha, x)  # (B, n_heads, T, head_dim)
+            for i in range(n_heads):
+                got = mine[..., i * head_dim : (i + 1) * head_dim]
+                if torch.allclose(got, reference[:, i], atol=1e-5, rtol=1e-4):
+                    continue
+                for j in range(n_heads):
+                    expect(
+                        not torch.allclose(got, reference[:, j], atol=1e-5, rtol=1e-4),
+                        f"{case}: your head {i} computes mha's head {j}; keep the heads in order",
                     )
-                expect_close(mha.out_proj(mine), mha(x), f"{case}: mha.out_proj(wrapper(x)) compared with mha(x)")
+                raise Wrong(
+                    f"{case}: head {i} gives the wrong output. It must use rows {i * head_dim}:{(i + 1) * head_dim} (i*head_dim:(i+1)*head_dim) of "
+                    "each block of mha.qkv.weight: the q block is rows 0:d_model, the k block d_model:2*d_model, "
+                    "the v block 2*d_model:3*d_model (and the same slices of mha.qkv.bias)"
+                )
+            expect_close(mha.out_proj(mine), mha(x), f"{case}: mha.out_proj(wrapper(x)) compared with mha(x)")
 
 
 # ---------------------------------------------------------------- 04.2
@@ -132,53 +131,52 @@ def _mha_weights(mha: MultiHeadAttention):
 @exercise("04.2")
 def check_mha_einsum(mha_einsum) -> None:
     """Check ``mha_einsum(x, w_qkv, b_qkv, w_out, b_out, n_heads)`` against a causal MultiHeadAttention."""
-    with torch.random.fork_rng(devices=[]):
-        g = torch.Generator().manual_seed(4042)
-        for d_model, n_heads, T, bias in _EINSUM_CASES:
-            mha = _random_mha(d_model, n_heads, 8, bias, g)
-            weights = _mha_weights(mha)
-            x = torch.randn(3, T, d_model, generator=g)
-            case = f"(d_model={d_model}, n_heads={n_heads}, T={T}, bias={bias})"
-            with torch.no_grad():
-                got = mha_einsum(x, *weights, n_heads)
-                if got is None:
-                    raise NotImplementedError("return the output tensor of shape (B, T, d_model), not None")
-                expect(isinstance(got, torch.Tensor), f"return a torch.Tensor; got {type(got).__name__}")
+    g = torch.Generator().manual_seed(4042)
+    for d_model, n_heads, T, bias in _EINSUM_CASES:
+        mha = _random_mha(d_model, n_heads, 8, bias, g)
+        weights = _mha_weights(mha)
+        x = torch.randn(3, T, d_model, generator=g)
+        case = f"(d_model={d_model}, n_heads={n_heads}, T={T}, bias={bias})"
+        with torch.no_grad():
+            got = mha_einsum(x, *weights, n_heads)
+            if got is None:
+                raise NotImplementedError("return the output tensor of shape (B, T, d_model), not None")
+            expect(isinstance(got, torch.Tensor), f"return a torch.Tensor; got {type(got).__name__}")
+            expect(
+                tuple(got.shape) == (3, T, d_model),
+                f"{case}: output has shape {tuple(got.shape)}, expected (B, T, d_model) = {(3, T, d_model)}",
+            )
+            expected = mha(x)
+            if torch.allclose(got, expected, atol=1e-5, rtol=1e-4):
+                continue
+            # Diagnose the usual mistakes.
+            if T > 1:
+                x2 = x.clone()
+                x2[:, -1] = torch.randn(3, d_model, generator=g)
+                moved = (mha_einsum(x2, *weights, n_heads)[:, :-1] - got[:, :-1]).abs().max().item()
                 expect(
-                    tuple(got.shape) == (3, T, d_model),
-                    f"{case}: output has shape {tuple(got.shape)}, expected (B, T, d_model) = {(3, T, d_model)}",
+                    moved < 1e-6,
+                    f"{case}: changing the last token moved the outputs at earlier positions (by up to "
+                    f"{moved:.3g}): mask the scores so query t only sees keys <= t",
                 )
-                expected = mha(x)
-                if torch.allclose(got, expected, atol=1e-5, rtol=1e-4):
-                    continue
-                # Diagnose the usual mistakes.
-                if T > 1:
-                    x2 = x.clone()
-                    x2[:, -1] = torch.randn(3, d_model, generator=g)
-                    moved = (mha_einsum(x2, *weights, n_heads)[:, :-1] - got[:, :-1]).abs().max().item()
-                    expect(
-                        moved < 1e-6,
-                        f"{case}: changing the last token moved the outputs at earlier positions (by up to "
-                        f"{moved:.3g}): mask the scores so query t only sees keys <= t",
-                    )
-                head_dim = d_model // n_heads
-                scaled_by_d_model = _scaled_reference(mha, x, scale=1.0 / math.sqrt(d_model))
-                expect(
-                    not torch.allclose(got, scaled_by_d_model, atol=1e-5, rtol=1e-4),
-                    f"{case}: you scale the scores by 1/sqrt(d_model); each head's dot products have head_dim="
-                    f"{head_dim} terms, so scale by 1/sqrt(head_dim)",
-                )
-                expect_close(
-                    got,
-                    expected,
-                    f"{case}: your output (split w_qkv's rows into q, k, v blocks of d_model rows; head h takes "
-                    "rows h*head_dim:(h+1)*head_dim of each block)",
-                )
-        try:
-            source = inspect.getsource(mha_einsum)
-        except (OSError, TypeError):
-            source = None
-        expect(source is None or "einsum" in source, "the output is right, but write the products with torch.einsum")
+            head_dim = d_model // n_heads
+            scaled_by_d_model = _scaled_reference(mha, x, scale=1.0 / math.sqrt(d_model))
+            expect(
+                not torch.allclose(got, scaled_by_d_model, atol=1e-5, rtol=1e-4),
+                f"{case}: you scale the scores by 1/sqrt(d_model); each head's dot products have head_dim="
+                f"{head_dim} terms, so scale by 1/sqrt(head_dim)",
+            )
+            expect_close(
+                got,
+                expected,
+                f"{case}: your output (split w_qkv's rows into q, k, v blocks of d_model rows; head h takes "
+                "rows h*head_dim:(h+1)*head_dim of each block)",
+            )
+    try:
+        source = inspect.getsource(mha_einsum)
+    except (OSError, TypeError):
+        source = None
+    expect(source is None or "einsum" in source, "the output is right, but write the products with torch.einsum")
 
 
 def _scaled_reference(mha: MultiHeadAttention, x: torch.Tensor, scale: float) -> torch.Tensor:
