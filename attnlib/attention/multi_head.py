@@ -1,4 +1,10 @@
-"""Batched multi-head attention, and the causal self-attention the GPT uses (registry name ``"mha"``)."""
+"""Batched multi-head attention, the template every attention variant fills in, and the GPT's ``"mha"``.
+
+:class:`AttentionBase` fixes the pipeline ``project → attend → merge`` (labml's
+hook pattern): a variant overrides the step it changes and nothing else. Talking
+heads changes ``attend``; grouped-query attention changes ``project`` and
+``attend``; latent attention changes ``project`` (and ``merge`` when absorbed).
+"""
 from __future__ import annotations
 
 import torch
@@ -9,39 +15,26 @@ from attnlib._checks import divisible, float_input, positive_int, probability
 from attnlib.config import GPTConfig
 from attnlib.functional import attention, causal_mask
 
-__all__ = ["MultiHeadAttention", "CausalSelfAttention", "BACKENDS"]
+__all__ = ["BACKENDS", "AttentionBase", "CausalSelfAttention", "MultiHeadAttention"]
 
 BACKENDS = ("eager", "sdpa")
 
 
-class MultiHeadAttention(nn.Module):
-    """Multi-head self-attention with all heads in one batched matmul.
-
-    One fused projection makes queries, keys and values for every head; the heads
-    run side by side as the ``n_heads`` dimension; an output projection mixes them.
-    Vaswani et al. 2017, §3.2.2; built in chapter 04.
+class AttentionBase(nn.Module):
+    """Self-attention as three steps a variant can override: ``project``, ``attend``, ``merge``.
 
     Args:
         d_model: width of input and output; ``head_dim = d_model // n_heads``.
-        n_heads: number of heads.
+        n_heads: number of query heads.
         block_size: longest sequence accepted (``None``: no limit).
         dropout: dropout on the attention weights and on the output (training only).
-        bias: whether ``qkv`` and ``out_proj`` have biases.
+        bias: whether the output projection (and the variant's projections) have biases.
         causal: whether query ``t`` may only see keys ``<= t``.
-        backend: ``"eager"`` (:func:`attnlib.functional.attention`, readable, returns
-            weights) or ``"sdpa"`` (:func:`torch.nn.functional.scaled_dot_product_attention`, fast).
-
-    Attributes:
-        qkv: ``nn.Linear(d_model, 3 * d_model)``; its weight rows are
-            ``[W_q; W_k; W_v]``, the layout of ``nn.MultiheadAttention.in_proj_weight``.
-        out_proj: ``nn.Linear(d_model, d_model)``.
-
-    Shapes:
-        ``forward(x)``: ``(B, T, d_model)`` → ``(B, T, d_model)``.
+        backend: ``"eager"`` (:func:`attnlib.functional.attention`: readable, returns the
+            weights) or ``"sdpa"`` (:func:`torch.nn.functional.scaled_dot_product_attention`: fast).
 
     Raises:
-        ValueError: ``d_model`` not divisible by ``n_heads``, an unknown backend,
-            a bad size, or an input of the wrong shape / longer than ``block_size``.
+        ValueError / TypeError: a bad size, ``d_model`` not divisible by ``n_heads``, an unknown backend.
     """
 
     def __init__(
@@ -65,14 +58,50 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
         self.block_size, self.dropout, self.causal, self.backend = block_size, dropout, causal, backend
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
+        # Subclasses create their input projections, then ``self.out_proj`` (d_model -> d_model), in that
+        # order, so that parameters are registered (and randomly initialised) input first, as in nanoGPT.
 
-    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, T, d_model)`` → ``(B, n_heads, T, head_dim)``."""
+    def split_heads(self, x: torch.Tensor, n_heads: int | None = None) -> torch.Tensor:
+        """``(B, T, n_heads * head_dim)`` → ``(B, n_heads, T, head_dim)``."""
         B, T, _ = x.shape
-        return x.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, T, d) -> (B, n_heads, T, head_dim)
+        n_heads = n_heads or self.n_heads
+        return x.view(B, T, n_heads, -1).transpose(1, 2)  # (B, T, n_heads*hd) -> (B, n_heads, T, hd)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values, each ``(B, heads, T, width)``."""
+        raise NotImplementedError
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, need_weights: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Weighted values ``(B, n_heads, T, head_dim)`` and, if asked or eager, the weights.
+
+        ``mask`` is the caller's mask only; the causal part is added here, as SDPA's
+        ``is_causal`` when there is no other mask (so a fused kernel can be used).
+        """
+        dropout_p = self.dropout if self.training else 0.0
+        T_q, T_k = q.shape[-2], k.shape[-2]
+        if self.backend == "eager" or need_weights:
+            return attention(q, k, v, mask=self.full_mask(mask, T_q, T_k, q.device), dropout_p=dropout_p)
+        if mask is not None and self.causal:
+            mask = self.full_mask(mask, T_q, T_k, q.device)
+        is_causal = self.causal and mask is None  # SDPA's is_causal is top-left aligned: right when T_q == T_k
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal), None
+
+    def full_mask(self, mask: torch.Tensor | None, T_q: int, T_k: int, device: torch.device) -> torch.Tensor | None:
+        """The caller's boolean mask ``&`` the causal mask (when causal); ``None`` if neither."""
+        if mask is not None and mask.dtype != torch.bool:
+            raise TypeError(f"mask must be a boolean tensor (True = may attend); got dtype {mask.dtype}")
+        if not self.causal:
+            return mask
+        causal = causal_mask(T_q, T_k, device=device)
+        return causal if mask is None else mask & causal
+
+    def merge(self, y: torch.Tensor) -> torch.Tensor:
+        """``(B, n_heads, T, head_dim)`` → ``(B, T, d_model)`` through the output projection."""
+        B, _, T, _ = y.shape
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, self.d_model))  # (B, nh, T, hd) -> (B, T, d_model)
 
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor | None = None, return_weights: bool = False
@@ -88,31 +117,58 @@ class MultiHeadAttention(nn.Module):
 
         Returns:
             ``(B, T, d_model)``, or ``(output, weights)`` when ``return_weights``.
+
+        Raises:
+            TypeError / ValueError: ``x`` not a float tensor of shape ``(B, T, d_model)``,
+                ``T > block_size``, or a mask that is not boolean.
         """
         float_input(x, self.d_model, self.block_size)
         if x.dim() != 3:
             raise ValueError(f"expected input of shape (B, T, d_model={self.d_model}); got {tuple(x.shape)}")
-        B, T, _ = x.shape
-        q, k, v = (self.split_heads(t) for t in self.qkv(x).split(self.d_model, dim=-1))
-        dropout_p = self.dropout if self.training else 0.0
-
-        if self.backend == "eager" or return_weights:
-            if self.causal:
-                causal = causal_mask(T, device=x.device)
-                mask = causal if mask is None else mask & causal
-            y, weights = attention(q, k, v, mask=mask, dropout_p=dropout_p)
-        else:
-            if mask is not None and mask.dtype != torch.bool:
-                raise TypeError(f"mask must be a boolean tensor (True = may attend); got dtype {mask.dtype}")
-            if self.causal and mask is not None:
-                mask = mask & causal_mask(T, device=x.device)
-            is_causal = self.causal and mask is None  # SDPA's is_causal is top-left aligned: right for T_q == T_k
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
-            weights = None
-
-        y = y.transpose(1, 2).reshape(B, T, self.d_model)  # (B, n_heads, T, head_dim) -> (B, T, d_model)
-        y = self.resid_dropout(self.out_proj(y))
+        q, k, v = self.project(x)
+        y, weights = self.attend(q, k, v, mask, return_weights)
+        y = self.resid_dropout(self.merge(y))
         return (y, weights) if return_weights else y
+
+
+class MultiHeadAttention(AttentionBase):
+    """Multi-head self-attention with all heads in one batched matmul.
+
+    One fused projection makes queries, keys and values for every head; the heads
+    run side by side as the ``n_heads`` dimension; an output projection mixes them.
+    Vaswani et al. 2017, §3.2.2; built in chapter 04. Arguments as :class:`AttentionBase`.
+
+    Attributes:
+        qkv: ``nn.Linear(d_model, 3 * d_model)``; its weight rows are
+            ``[W_q; W_k; W_v]``, the layout of ``nn.MultiheadAttention.in_proj_weight``.
+        out_proj: ``nn.Linear(d_model, d_model)``.
+
+    Shapes:
+        ``forward(x)``: ``(B, T, d_model)`` → ``(B, T, d_model)``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        block_size: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        causal: bool = True,
+        backend: str = "sdpa",
+    ) -> None:
+        super().__init__(d_model, n_heads, block_size, dropout, bias, causal, backend)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self.qkv(x).split(self.d_model, dim=-1)  # (B, T, 3*d_model) -> 3 x (B, T, d_model)
+        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
+
+    @staticmethod
+    def kv_cache_size(config: GPTConfig) -> int:
+        """Numbers cached per token per layer: a key and a value for every head, ``2 · n_heads · head_dim``."""
+        return 2 * config.n_heads * config.head_dim
 
 
 class CausalSelfAttention(MultiHeadAttention):
