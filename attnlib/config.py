@@ -18,8 +18,11 @@ class GPTConfig:
         n_layers: number of Transformer blocks.
         n_heads: query heads per attention layer.
         d_model: width of the residual stream; ``head_dim = d_model // n_heads``.
-        n_kv_heads: key/value heads, for the grouped variants (MQA/GQA); defaults
-            to ``n_heads``. Variants that do not group heads ignore it.
+        n_kv_heads: key/value heads of grouped-query attention (``attention="gqa"``);
+            defaults to ``n_heads``. ``"mqa"`` uses one; the other variants ignore it.
+        kv_latent_dim: width ``d_c`` of the latent that multi-head latent attention
+            (``attention="mla"``) caches instead of keys and values; defaults to
+            ``d_model // 4`` (16 for the book's small model, as in the source notebook).
         dropout: dropout probability on attention weights, residual branches and embeddings.
         bias: whether the Linear layers and LayerNorms carry a bias.
         attention: name of the attention variant in
@@ -28,7 +31,7 @@ class GPTConfig:
     Raises:
         TypeError: a size that is not an int.
         ValueError: a non-positive size, ``d_model`` not divisible by ``n_heads``,
-            ``n_heads`` not divisible by ``n_kv_heads``, ``dropout`` outside [0, 1),
+            ``n_heads`` not divisible by ``n_kv_heads``, ``kv_latent_dim < 1``, ``dropout`` outside [0, 1),
             or an unknown attention name. The message names the value.
     """
 
@@ -38,6 +41,7 @@ class GPTConfig:
     n_heads: int = 4
     d_model: int = 64
     n_kv_heads: int | None = None
+    kv_latent_dim: int | None = None
     dropout: float = 0.0
     bias: bool = True
     attention: str = "mha"
@@ -48,6 +52,9 @@ class GPTConfig:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         positive_int("n_kv_heads", self.n_kv_heads)
+        if self.kv_latent_dim is None:
+            self.kv_latent_dim = max(1, self.d_model // 4)
+        positive_int("kv_latent_dim", self.kv_latent_dim)
         divisible("d_model", self.d_model, "n_heads", self.n_heads)
         divisible("n_heads", self.n_heads, "n_kv_heads", self.n_kv_heads)
         probability("dropout", self.dropout)

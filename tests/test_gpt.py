@@ -22,7 +22,7 @@ SMALL = dict(vocab_size=20, block_size=16, n_layers=2, n_heads=2, d_model=16)
         (dict(d_model=64.0), TypeError, "d_model must be an int"),
         (dict(dropout=1.0), ValueError, "dropout=1.0"),
         (dict(bias="yes"), TypeError, "bias must be a bool"),
-        (dict(attention="flash"), ValueError, "attention='flash' is not a known variant; choose one of: mha"),
+        (dict(attention="flash"), ValueError, "attention='flash' is not a known variant; choose one of: gqa, mha, mla, mqa, talking_heads"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, error, message):

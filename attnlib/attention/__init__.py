@@ -1,22 +1,37 @@
 """Attention modules and the registry that lets a :class:`attnlib.GPTConfig` choose one.
 
 ``ATTENTION_REGISTRY`` maps a name to a class built as ``cls(config)`` that maps
-``(B, T, d_model)`` → ``(B, T, d_model)`` causally.
+``(B, T, d_model)`` → ``(B, T, d_model)`` causally; each class also has a
+``kv_cache_size(config)``: the numbers a KV cache keeps per token and layer.
 """
-from attnlib.attention.multi_head import BACKENDS, CausalSelfAttention, MultiHeadAttention
+from attnlib.attention.grouped_query import KV_SHARING, GroupedQueryAttention, MultiQueryAttention
+from attnlib.attention.latent import MultiHeadLatentAttention
+from attnlib.attention.multi_head import BACKENDS, AttentionBase, CausalSelfAttention, MultiHeadAttention
+from attnlib.attention.talking_heads import BiasedTalkingHeadsAttention, TalkingHeadsAttention
 from attnlib.attention.teaching import CausalAttention, MultiHeadAttentionWrapper, SelfAttentionV1, SelfAttentionV2
 
-ATTENTION_REGISTRY: dict[str, type] = {
+ATTENTION_REGISTRY: dict[str, type[AttentionBase]] = {
     "mha": CausalSelfAttention,
+    "talking_heads": TalkingHeadsAttention,
+    "mqa": MultiQueryAttention,
+    "gqa": GroupedQueryAttention,
+    "mla": MultiHeadLatentAttention,
 }
 
 __all__ = [
     "ATTENTION_REGISTRY",
     "BACKENDS",
+    "KV_SHARING",
+    "AttentionBase",
+    "BiasedTalkingHeadsAttention",
     "CausalAttention",
     "CausalSelfAttention",
+    "GroupedQueryAttention",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
+    "MultiHeadLatentAttention",
+    "MultiQueryAttention",
     "SelfAttentionV1",
     "SelfAttentionV2",
+    "TalkingHeadsAttention",
 ]
