@@ -8,7 +8,7 @@ import torch
 
 from attnlib._checks import positive_int
 
-__all__ = ["sample_next_token", "top_k_filter", "top_p_filter"]
+__all__ = ["beam_search", "sample_next_token", "top_k_filter", "top_p_filter"]
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -90,3 +90,81 @@ def sample_next_token(
         logits = top_p_filter(logits, top_p)
     probs = torch.softmax(logits.float(), dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+@torch.no_grad()
+def beam_search(
+    model,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    beam_width: int = 4,
+    stop_tokens: list[int] | tuple[int, ...] | None = None,
+    length_penalty: float = 0.0,
+    use_cache: bool = True,
+) -> tuple[torch.Tensor, float]:
+    """The most likely continuation found by keeping the ``beam_width`` best partial ones at each step.
+
+    Chapter 08. At every step each beam is extended by every token; the ``beam_width``
+    extensions with the highest total log-probability survive (their KV caches follow
+    them). A beam that produces a stop token is finished: it keeps its score and only
+    ever extends by that token again at no cost. With ``beam_width=1`` this is greedy
+    decoding.
+
+    Args:
+        model: an :class:`attnlib.GPT` (anything with ``config`` and ``next_token_logits``).
+        idx: ``(1, T)`` integer prompt.
+        max_new_tokens: tokens to add (>= 0).
+        beam_width: beams kept (>= 1).
+        stop_tokens: ids that finish a beam.
+        length_penalty: ``alpha``; the final choice maximises ``score / n_new ** alpha``
+            (0 = plain sum of log-probabilities).
+        use_cache: decode with KV caches (same result, faster).
+
+    Returns:
+        ``(tokens (1, T + max_new_tokens), score)``: the best beam (finished beams padded
+        with their stop token) and its total log-probability (nats).
+
+    Raises:
+        ValueError: ``idx`` not a single prompt, or a bad width/length.
+    """
+    positive_int("beam_width", beam_width)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != 1:
+        shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
+        raise ValueError(f"beam_search takes one prompt of shape (1, T); got {shape}")
+    from attnlib.cache import KVCache  # late import: attnlib.cache is independent of this module
+
+    stops = torch.tensor(list(stop_tokens or []), dtype=torch.long, device=idx.device)
+    was_training = model.training
+    model.eval()
+    try:
+        beams, scores = idx, torch.zeros(1, device=idx.device)  # (n_beams, T), (n_beams,)
+        done = torch.zeros(1, dtype=torch.bool, device=idx.device)
+        cache = KVCache.for_model(model) if use_cache else None
+        n_new = idx.shape[1]
+        for _ in range(max_new_tokens):
+            logits, cache = model.next_token_logits(beams, cache, n_new)
+            logprobs = torch.log_softmax(logits.float(), dim=-1)  # (n_beams, vocab_size)
+            # A finished beam may only repeat its last (stop) token, at no cost.
+            frozen = torch.full_like(logprobs, float("-inf"))
+            frozen.scatter_(1, beams[:, -1:], 0.0)
+            logprobs = torch.where(done[:, None], frozen, logprobs)
+            candidates = (scores[:, None] + logprobs).flatten()  # (n_beams * vocab_size,)
+            scores, flat = candidates.topk(min(beam_width, candidates.numel()))
+            parent, token = flat // logprobs.shape[1], flat % logprobs.shape[1]
+            beams = torch.cat([beams[parent], token[:, None]], dim=1)
+            done = done[parent] | torch.isin(token, stops)
+            if cache is not None:
+                cache.reorder(parent)
+            n_new = 1
+            if done.all():
+                break
+        n_added = beams.shape[1] - idx.shape[1]
+        if n_added < max_new_tokens:  # every beam finished early: pad with its stop token
+            beams = torch.cat([beams, beams[:, -1:].expand(-1, max_new_tokens - n_added)], dim=1)
+        final = scores / max(n_added, 1) ** length_penalty
+        best = int(final.argmax())
+    finally:
+        model.train(was_training)
+    return beams[best : best + 1], float(scores[best])

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlib.attention import ATTENTION_REGISTRY
+from attnlib.cache import KVCache, LayerCache
 from attnlib.config import GPTConfig
 from attnlib.generate import sample_next_token
 
@@ -50,8 +51,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache=cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -120,13 +121,16 @@ class GPT(nn.Module):
             raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {self.config.vocab_size})")
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Next-token logits, and the cross-entropy loss when targets are given.
 
         Args:
             idx: ``(B, T)`` integer token ids, ``T <= block_size``.
             targets: optional ``(B, T)`` integer ids of the next tokens.
+            cache: a :class:`attnlib.cache.KVCache` (chapter 08): ``idx`` holds the
+                tokens after the ``cache.length`` already cached, at positions
+                ``cache.length, …``; their keys/values are appended to the cache.
 
         Returns:
             ``(logits, loss)``: logits ``(B, T, vocab_size)`` float; loss a scalar
@@ -134,14 +138,19 @@ class GPT(nn.Module):
 
         Raises:
             TypeError: ``idx`` / ``targets`` not an integer tensor.
-            ValueError: wrong shape, ``T > block_size``, or an id outside the vocabulary.
+            ValueError: wrong shape, ``T > block_size`` (cached tokens included), or an id outside the vocabulary.
         """
         self.check_idx(idx)
         B, T = idx.shape
-        pos = torch.arange(T, device=idx.device)  # (T,)
+        start = 0 if cache is None else cache.length
+        if start + T > self.config.block_size:
+            raise ValueError(
+                f"the cache holds {start} tokens; {T} more exceed block_size={self.config.block_size}"
+            )
+        pos = torch.arange(start, start + T, device=idx.device)  # (T,)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, d_model) + (T, d_model) -> (B, T, d_model)
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if cache is None else cache.layers[i])
         logits = self.lm_head(self.ln_f(x))  # (B, T, d_model) -> (B, T, vocab_size)
 
         loss = None
@@ -153,6 +162,26 @@ class GPT(nn.Module):
         return logits, loss
 
     @torch.no_grad()
+    def next_token_logits(self, idx: torch.Tensor, cache: KVCache | None, n_new: int) -> tuple[torch.Tensor, KVCache | None]:
+        """Logits for the token after ``idx``, feeding only the last ``n_new`` tokens through ``cache``.
+
+        Without a cache, the last ``block_size`` tokens are encoded from scratch. With one,
+        the new tokens are appended; when they would not fit, the window slides: a fresh
+        cache is filled with the last ``block_size`` tokens, exactly what the uncached
+        path sees (learned absolute positions cannot be shifted inside a cache).
+
+        Returns:
+            ``(logits (B, vocab_size), cache)``.
+        """
+        block_size = self.config.block_size
+        if cache is None:
+            return self(idx[:, -block_size:])[0][:, -1, :], None
+        if cache.length + n_new > block_size or cache.length == 0:
+            cache = KVCache.for_model(self)
+            n_new = min(idx.shape[1], block_size)
+        return self(idx[:, -n_new:], cache=cache)[0][:, -1, :], cache
+
+    @torch.no_grad()
     def generate(
         self,
         idx: torch.Tensor,
@@ -161,11 +190,16 @@ class GPT(nn.Module):
         top_k: int | None = None,
         top_p: float | None = None,
         generator: torch.Generator | None = None,
+        use_cache: bool = True,
+        stop_tokens: list[int] | tuple[int, ...] | None = None,
     ) -> torch.Tensor:
-        """Extend ``idx`` by ``max_new_tokens`` tokens, one at a time.
+        """Extend ``idx`` by up to ``max_new_tokens`` tokens, one at a time.
 
-        The model sees at most the last ``block_size`` tokens: a longer context is
-        cropped from the left before each step (the returned tensor keeps it all).
+        The model sees at most the last ``block_size`` tokens: a longer prompt is
+        cropped from the left, and once the text outgrows ``block_size`` each step sees
+        the last ``block_size`` tokens (the returned tensor keeps everything). With
+        ``use_cache`` (chapter 08) the prompt is encoded once (prefill) and each new token
+        attends to the cached keys/values (decode); the tokens are the same as without it.
 
         Args:
             idx: ``(B, T)`` integer prompt (T >= 1).
@@ -173,22 +207,41 @@ class GPT(nn.Module):
             temperature: ``0`` = greedy; higher = more random.
             top_k, top_p: optional filters, see :func:`attnlib.generate.sample_next_token`.
             generator: ``torch.Generator`` for reproducible samples.
+            use_cache: decode with a :class:`attnlib.cache.KVCache`.
+            stop_tokens: ids that end a sequence; a row that has produced one is padded
+                with it from then on, and generation ends early once every row has.
 
         Returns:
-            ``(B, T + max_new_tokens)`` int64.
+            ``(B, T + n)`` int64 with ``n <= max_new_tokens``.
+
+        Raises:
+            ValueError / TypeError: a bad prompt, ``max_new_tokens``, sampling setting or stop token.
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
         if isinstance(idx, torch.Tensor) and idx.dim() == 2 and idx.shape[1] == 0:
             raise ValueError("idx must hold at least one prompt token per row; got T=0")
         self.check_idx(idx[:, -self.config.block_size :] if isinstance(idx, torch.Tensor) and idx.dim() == 2 else idx)
+        stops = torch.tensor(list(stop_tokens or []), dtype=torch.long, device=idx.device)
+        if stops.numel() and ((stops < 0) | (stops >= self.config.vocab_size)).any():
+            raise ValueError(f"stop_tokens={list(stop_tokens)} must be ids in [0, {self.config.vocab_size})")
         was_training = self.training
         self.eval()
         try:
+            cache = KVCache.for_model(self) if use_cache else None
+            finished = torch.full((idx.shape[0],), -1, dtype=torch.long, device=idx.device)  # -1 = still going
+            n_new = idx.shape[1]
             for _ in range(max_new_tokens):
-                logits, _ = self(idx[:, -self.config.block_size :])
-                next_id = sample_next_token(logits[:, -1, :], temperature, top_k, top_p, generator)
+                logits, cache = self.next_token_logits(idx, cache, n_new)
+                next_id = sample_next_token(logits, temperature, top_k, top_p, generator)  # (B, 1)
+                next_id = torch.where(finished[:, None] >= 0, finished[:, None], next_id)
                 idx = torch.cat([idx, next_id], dim=1)  # (B, T) -> (B, T + 1)
+                n_new = 1
+                if stops.numel():
+                    newly = (finished < 0) & torch.isin(next_id[:, 0], stops)
+                    finished = torch.where(newly, next_id[:, 0], finished)
+                    if (finished >= 0).all():
+                        break
         finally:
             self.train(was_training)
         return idx

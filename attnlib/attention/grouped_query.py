@@ -62,11 +62,14 @@ class GroupedQueryAttention(AttentionBase):
         self.qkv = nn.Linear(config.d_model, config.d_model + 2 * kv_width, bias=config.bias)
         self.out_proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, cache=None):
         kv_width = self.n_kv_heads * self.head_dim
         q, k, v = self.qkv(x).split([self.d_model, kv_width, kv_width], dim=-1)
         # q: (B, n_heads, T, head_dim); k, v: (B, n_kv_heads, T, head_dim)
-        return self.split_heads(q), self.split_heads(k, self.n_kv_heads), self.split_heads(v, self.n_kv_heads)
+        q, k, v = self.split_heads(q), self.split_heads(k, self.n_kv_heads), self.split_heads(v, self.n_kv_heads)
+        if cache is not None:
+            k, v = cache.update(k=k, v=v)  # only the shared heads: 2 * n_kv_heads * head_dim per token
+        return q, k, v
 
     def attend(self, q, k, v, mask, need_weights):
         if self.kv_sharing == "repeat_interleave":
@@ -75,10 +78,9 @@ class GroupedQueryAttention(AttentionBase):
             return super().attend(q, k, v, mask, need_weights)
         if self.kv_sharing == "sdpa" and not need_weights:
             dropout_p = self.dropout if self.training else 0.0
-            if mask is not None:
-                mask = self.full_mask(mask, q.shape[-2], k.shape[-2], q.device)
+            mask, is_causal = self.sdpa_mask(mask, q.shape[-2], k.shape[-2], q.device)
             y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None, enable_gqa=True
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=True
             )
             return y, None
         # "expand" (and weights on request): broadcast each K/V head over its group of queries, no copy.

@@ -60,9 +60,11 @@ class MultiHeadLatentAttention(AttentionBase):
         """The cached quantity ``c = W^DKV x``: ``(B, T, d_model)`` → ``(B, T, d_c)``."""
         return self.kv_down(x)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, cache=None):
         q = self.split_heads(self.q_proj(x))  # (B, n_heads, T, head_dim)
         c = self.latent(x)  # (B, T, d_c)
+        if cache is not None:
+            (c,) = cache.update(c=c)  # only the latent: d_c numbers per token
         if not self.absorb:
             return q, self.split_heads(self.k_up(c)), self.split_heads(self.v_up(c))  # decode K and V per head
         w_uk = self.k_up.weight.view(self.n_heads, self.head_dim, self.kv_latent_dim)  # (n_heads, hd, d_c)

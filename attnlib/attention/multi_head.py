@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlib._checks import divisible, float_input, positive_int, probability
+from attnlib.cache import LayerCache
 from attnlib.config import GPTConfig
 from attnlib.functional import attention, causal_mask
 
@@ -68,8 +69,14 @@ class AttentionBase(nn.Module):
         n_heads = n_heads or self.n_heads
         return x.view(B, T, n_heads, -1).transpose(1, 2)  # (B, T, n_heads*hd) -> (B, n_heads, T, hd)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys and values, each ``(B, heads, T, width)``."""
+    def project(
+        self, x: torch.Tensor, cache: LayerCache | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries ``(B, n_heads, T_new, width)``; keys and values ``(B, heads, T_k, width)``.
+
+        With a ``cache``, the variant stores what it needs of the new positions and
+        returns keys and values for every cached position (``T_k = cache.length``).
+        """
         raise NotImplementedError
 
     def attend(
@@ -81,13 +88,23 @@ class AttentionBase(nn.Module):
         ``is_causal`` when there is no other mask (so a fused kernel can be used).
         """
         dropout_p = self.dropout if self.training else 0.0
-        T_q, T_k = q.shape[-2], k.shape[-2]
         if self.backend == "eager" or need_weights:
-            return attention(q, k, v, mask=self.full_mask(mask, T_q, T_k, q.device), dropout_p=dropout_p)
-        if mask is not None and self.causal:
-            mask = self.full_mask(mask, T_q, T_k, q.device)
-        is_causal = self.causal and mask is None  # SDPA's is_causal is top-left aligned: right when T_q == T_k
+            return attention(q, k, v, mask=self.full_mask(mask, q.shape[-2], k.shape[-2], q.device), dropout_p=dropout_p)
+        mask, is_causal = self.sdpa_mask(mask, q.shape[-2], k.shape[-2], q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal), None
+
+    def sdpa_mask(
+        self, mask: torch.Tensor | None, T_q: int, T_k: int, device: torch.device
+    ) -> tuple[torch.Tensor | None, bool]:
+        """``(attn_mask, is_causal)`` for SDPA: ``is_causal`` (which allows fused kernels) only where it is right.
+
+        SDPA's ``is_causal`` is aligned top-left: right for ``T_q == T_k`` without another
+        mask; in every other case (a caller's mask, decoding with ``T_q < T_k``) the
+        bottom-right :func:`causal_mask` is passed explicitly.
+        """
+        if self.causal and mask is None and T_q == T_k:
+            return None, True
+        return self.full_mask(mask, T_q, T_k, device), False
 
     def full_mask(self, mask: torch.Tensor | None, T_q: int, T_k: int, device: torch.device) -> torch.Tensor | None:
         """The caller's boolean mask ``&`` the causal mask (when causal); ``None`` if neither."""
@@ -104,28 +121,35 @@ class AttentionBase(nn.Module):
         return self.out_proj(y.transpose(1, 2).reshape(B, T, self.d_model))  # (B, nh, T, hd) -> (B, T, d_model)
 
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None = None, return_weights: bool = False
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        return_weights: bool = False,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend.
 
         Args:
-            x: ``(B, T, d_model)`` float.
-            mask: optional boolean mask broadcastable to ``(B, n_heads, T, T)``,
+            x: ``(B, T, d_model)`` float: the new positions.
+            mask: optional boolean mask broadcastable to ``(B, n_heads, T, T_k)``,
                 ``True`` = may attend; combined with the causal mask by ``&``.
-            return_weights: also return the weights ``(B, n_heads, T, T)``
+            return_weights: also return the weights ``(B, n_heads, T, T_k)``
                 (always computed on the eager path).
+            cache: a :class:`attnlib.cache.LayerCache`: the new positions are appended to
+                it and attend to everything cached (``T_k`` = cached length, the causal
+                mask aligned bottom-right). Chapter 08.
 
         Returns:
             ``(B, T, d_model)``, or ``(output, weights)`` when ``return_weights``.
 
         Raises:
             TypeError / ValueError: ``x`` not a float tensor of shape ``(B, T, d_model)``,
-                ``T > block_size``, or a mask that is not boolean.
+                ``T > block_size``, a full cache, or a mask that is not boolean.
         """
         float_input(x, self.d_model, self.block_size)
         if x.dim() != 3:
             raise ValueError(f"expected input of shape (B, T, d_model={self.d_model}); got {tuple(x.shape)}")
-        q, k, v = self.project(x)
+        q, k, v = self.project(x, cache)
         y, weights = self.attend(q, k, v, mask, return_weights)
         y = self.resid_dropout(self.merge(y))
         return (y, weights) if return_weights else y
@@ -161,9 +185,12 @@ class MultiHeadAttention(AttentionBase):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, cache: LayerCache | None = None):
         q, k, v = self.qkv(x).split(self.d_model, dim=-1)  # (B, T, 3*d_model) -> 3 x (B, T, d_model)
-        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
+        q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)
+        if cache is not None:
+            k, v = cache.update(k=k, v=v)  # every head's keys and values: 2 * n_heads * head_dim per token
+        return q, k, v
 
     @staticmethod
     def kv_cache_size(config: GPTConfig) -> int:

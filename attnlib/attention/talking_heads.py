@@ -8,7 +8,9 @@ Where the mask goes decides whether the layer is causal:
 
 * logits are mixed *before* masking (mixing ``-inf`` would give ``inf - inf = NaN``);
 * after the softmax the weights of future keys are exactly 0 in every head, and a
-  mixing *without bias* keeps them 0. A bias adds the same number to every weight,
+  mixing *without bias* keeps them 0 (this needs the same mask in every head, as a
+  causal or padding mask is: a per-head mask could receive weight mixed in from a
+  head where that key is visible). A bias adds the same number to every weight,
   future ones included: the future leaks in. :class:`BiasedTalkingHeadsAttention`
   keeps that broken layer (the source notebook's) so chapters 05 and 13 can show it.
 """

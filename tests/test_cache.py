@@ -1,0 +1,145 @@
+"""KV cache and generation: cached ≡ uncached for every variant, sizes measured from the tensors, beam search."""
+import pytest
+import torch
+
+from attnlib import GPT, GPTConfig
+from attnlib.attention import ATTENTION_REGISTRY
+from attnlib.cache import KVCache, LayerCache
+from attnlib.generate import beam_search
+
+ATOL = 1e-5
+VARIANTS = sorted(ATTENTION_REGISTRY)
+
+
+def small_model(attention, **overrides):
+    torch.manual_seed(0)
+    config = dict(vocab_size=23, block_size=16, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, kv_latent_dim=8)
+    return GPT(GPTConfig(**{**config, **overrides}, attention=attention)).eval()
+
+
+@pytest.mark.parametrize("attention", VARIANTS)
+def test_cached_logits_equal_uncached_at_every_step(attention):
+    model = small_model(attention)
+    tokens = torch.randint(0, 23, (3, 16))
+    cache = KVCache.for_model(model)
+    with torch.no_grad():
+        logits, _ = model(tokens[:, :5], cache=cache)  # prefill 5 tokens
+        torch.testing.assert_close(logits, model(tokens[:, :5])[0], atol=ATOL, rtol=0)
+        for t in range(5, 16):  # decode one token at a time
+            step, _ = model(tokens[:, t : t + 1], cache=cache)
+            full, _ = model(tokens[:, : t + 1])
+            torch.testing.assert_close(step[:, -1], full[:, -1], atol=ATOL, rtol=0)
+    assert cache.length == 16
+
+
+def test_mla_absorbed_decode_equals_naive_uncached():
+    model = small_model("mla")
+    tokens = torch.randint(0, 23, (2, 12))
+    with torch.no_grad():
+        reference, _ = model(tokens)
+        for block in model.blocks:
+            block.attn.absorb = True
+        cache = KVCache.for_model(model)
+        model(tokens[:, :4], cache=cache)
+        for t in range(4, 12):
+            step, _ = model(tokens[:, t : t + 1], cache=cache)
+            torch.testing.assert_close(step[:, -1], reference[:, t], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("attention", VARIANTS)
+def test_greedy_generation_is_the_same_with_and_without_cache(attention):
+    model = small_model(attention)
+    prompt = torch.randint(0, 23, (2, 5))
+    # 30 new tokens run past block_size=16: the window slides in both paths
+    with_cache = model.generate(prompt, 30, temperature=0, use_cache=True)
+    without = model.generate(prompt, 30, temperature=0, use_cache=False)
+    assert torch.equal(with_cache, without)
+
+
+def test_sampling_is_the_same_with_and_without_cache():
+    model = small_model("gqa")
+    prompt = torch.randint(0, 23, (2, 20))  # longer than block_size: cropped from the left
+    a = model.generate(prompt, 12, top_k=5, generator=torch.Generator().manual_seed(1), use_cache=True)
+    b = model.generate(prompt, 12, top_k=5, generator=torch.Generator().manual_seed(1), use_cache=False)
+    assert torch.equal(a, b) and torch.equal(a[:, :20], prompt)
+
+
+@pytest.mark.parametrize("attention", VARIANTS)
+def test_cache_holds_exactly_what_the_variant_needs(attention):
+    model = small_model(attention)
+    cache = KVCache.for_model(model)
+    with torch.no_grad():
+        model(torch.randint(0, 23, (3, 7)), cache=cache)
+    per_token = ATTENTION_REGISTRY[attention].kv_cache_size(model.config)
+    assert cache.bytes_per_token() == per_token * model.config.n_layers * 4  # fp32
+    assert cache.nbytes() == 3 * 16 * per_token * model.config.n_layers * 4  # pre-allocated to block_size
+    shapes = {name: tuple(b.shape) for name, b in cache.layers[0].buffers.items()}
+    expected = {
+        "mha": {"k": (3, 4, 16, 8), "v": (3, 4, 16, 8)},
+        "talking_heads": {"k": (3, 4, 16, 8), "v": (3, 4, 16, 8)},
+        "gqa": {"k": (3, 2, 16, 8), "v": (3, 2, 16, 8)},
+        "mqa": {"k": (3, 1, 16, 8), "v": (3, 1, 16, 8)},
+        "mla": {"c": (3, 16, 8)},
+    }[attention]
+    assert shapes == expected
+
+
+def test_cache_errors():
+    model = small_model("mha")
+    cache = KVCache.for_model(model)
+    with torch.no_grad():
+        model(torch.randint(0, 23, (1, 10)), cache=cache)
+        with pytest.raises(ValueError, match="the cache holds 10 tokens; 7 more exceed block_size=16"):
+            model(torch.randint(0, 23, (1, 7)), cache=cache)
+        with pytest.raises(ValueError, match="cannot append"):
+            model(torch.randint(0, 23, (2, 1)), cache=cache)  # another batch size
+    layer = LayerCache(4)
+    with pytest.raises(ValueError, match="max_len=4; cannot add 5"):
+        layer.update(k=torch.zeros(1, 5, 2))
+    with pytest.raises(ValueError, match="max_len=0"):
+        LayerCache(0)
+
+
+def test_stop_tokens_end_generation_and_pad():
+    model = small_model("mha")
+    prompt = torch.randint(0, 23, (2, 3))
+    free = model.generate(prompt, 8, temperature=0)
+    stop = int(free[0, 4])  # the second token row 0 produces
+    out = model.generate(prompt, 8, temperature=0, stop_tokens=[stop])
+    row0 = out[0, 3:].tolist()
+    first = row0.index(stop)
+    assert row0[: first + 1] == free[0, 3 : 3 + first + 1].tolist() and set(row0[first:]) == {stop}
+    with pytest.raises(ValueError, match="stop_tokens"):
+        model.generate(prompt, 2, stop_tokens=[99])
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_beam_search_with_width_one_is_greedy(use_cache):
+    model = small_model("gqa")
+    prompt = torch.randint(0, 23, (1, 4))
+    tokens, score = beam_search(model, prompt, 20, beam_width=1, use_cache=use_cache)
+    assert torch.equal(tokens, model.generate(prompt, 20, temperature=0))
+    # its score is the sum of the log-probabilities of the chosen tokens
+    logprobs = []
+    for t in range(4, 24):
+        logits, _ = model(tokens[:, max(0, t - 16) : t])
+        logprobs.append(torch.log_softmax(logits[0, -1], -1)[tokens[0, t]].item())
+    assert score == pytest.approx(sum(logprobs), abs=1e-4)
+
+
+def test_wider_beams_find_a_likelier_sequence_and_caching_does_not_change_them():
+    model = small_model("mla")
+    prompt = torch.randint(0, 23, (1, 3))
+    _, greedy = beam_search(model, prompt, 6, beam_width=1)
+    wide, wide_score = beam_search(model, prompt, 6, beam_width=5)
+    assert wide_score >= greedy - 1e-6
+    uncached, uncached_score = beam_search(model, prompt, 6, beam_width=5, use_cache=False)
+    assert torch.equal(wide, uncached) and wide_score == pytest.approx(uncached_score, abs=1e-5)
+
+
+def test_beam_search_rejects_bad_input():
+    model = small_model("mha")
+    with pytest.raises(ValueError, match=r"shape \(1, T\)"):
+        beam_search(model, torch.zeros(2, 3, dtype=torch.long), 3)
+    with pytest.raises(ValueError, match="beam_width=0"):
+        beam_search(model, torch.zeros(1, 3, dtype=torch.long), 3, beam_width=0)
