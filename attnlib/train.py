@@ -6,25 +6,42 @@ Chapter 12. The full run of the book's small configuration::
 
 Batches come from a seeded ``torch.Generator``, so two runs with the same seed
 see the same data in the same order (whatever the model).
+
+Several processes (``torchrun --nproc_per_node N -m attnlib.train ...``): every
+process draws the same global batch and trains on its own ``batch_size / N`` rows;
+DistributedDataParallel averages the gradients, so each step equals the
+single-process step on the whole batch (gloo on CPU, NCCL on GPUs).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from attnlib._checks import positive_int
 from attnlib._device import device as default_device
 from attnlib.data import get_batch
 
-__all__ = ["TrainConfig", "History", "estimate_loss", "train", "save_checkpoint", "load_checkpoint", "main"]
+__all__ = [
+    "History",
+    "TrainConfig",
+    "distributed_context",
+    "estimate_loss",
+    "load_checkpoint",
+    "main",
+    "save_checkpoint",
+    "train",
+]
 
 
 @dataclass
@@ -71,6 +88,8 @@ class History:
     Attributes:
         steps: the step of each evaluation.
         train_loss, val_loss: mean cross-entropy (nats per token) at those steps.
+        step_loss: the training loss of every optimizer step (the whole batch's mean,
+            across processes when distributed).
         elapsed_s: wall-clock seconds of the whole run, evaluations included.
         tokens_per_s: training tokens processed per second (evaluations excluded).
     """
@@ -78,6 +97,7 @@ class History:
     steps: list[int] = field(default_factory=list)
     train_loss: list[float] = field(default_factory=list)
     val_loss: list[float] = field(default_factory=list)
+    step_loss: list[float] = field(default_factory=list)
     elapsed_s: float = 0.0
     tokens_per_s: float = 0.0
 
@@ -137,6 +157,20 @@ def estimate_loss(
     return out
 
 
+def distributed_context(device: torch.device) -> tuple[int, int]:
+    """``(rank, world_size)``; joins the process group when launched by ``torchrun`` with several processes.
+
+    Uses the ``env://`` variables torchrun sets (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``); NCCL for CUDA devices, gloo otherwise. ``(0, 1)`` for a single process.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1 or not dist.is_available():
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
 def train(
     model: nn.Module,
     train_data: torch.Tensor,
@@ -153,18 +187,31 @@ def train(
         config: a :class:`TrainConfig` (defaults if ``None``).
         progress: show a tqdm progress bar with the latest losses.
 
+    Under ``torchrun`` with several processes (see the module docstring), each process
+    trains on its share of every batch and the model is wrapped in
+    DistributedDataParallel; on CUDA, process ``LOCAL_RANK`` uses GPU ``LOCAL_RANK``.
+
     Returns:
-        The :class:`History` of the run.
+        The :class:`History` of the run (the same on every process).
 
     Raises:
         FloatingPointError: if the loss becomes NaN or infinite.
+        ValueError: when distributed, a ``batch_size`` not divisible by the number of processes.
     """
     config = config or TrainConfig()
     block_size = getattr(getattr(model, "config", None), "block_size", None)
     if block_size is None:
         raise TypeError(f"model must have a config.block_size (as attnlib.GPT has); got {type(model).__name__}")
     dev = torch.device(config.device) if config.device else default_device()
+    if dev.type == "cuda" and "LOCAL_RANK" in os.environ:
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    rank, world_size = distributed_context(dev)
+    if config.batch_size % world_size:
+        raise ValueError(f"batch_size={config.batch_size} is not divisible by the {world_size} processes")
+    shard = slice(rank * config.batch_size // world_size, (rank + 1) * config.batch_size // world_size)
     model.to(dev)
+    ddp_model = DistributedDataParallel(model) if world_size > 1 else model
+    progress = progress and rank == 0
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     generator = torch.Generator().manual_seed(config.seed)
     history = History()
@@ -185,12 +232,17 @@ def train(
                 t0 = time.perf_counter()
                 evaluate(step)
                 eval_time += time.perf_counter() - t0
-            x, y = get_batch(train_data, config.batch_size, block_size, generator, dev)
-            _, loss = model(x, y)
-            if not math.isfinite(loss.item()):
-                raise FloatingPointError(f"loss became {loss.item()} at step {step}; try a lower learning_rate")
+            x, y = get_batch(train_data, config.batch_size, block_size, generator, dev)  # the global batch
+            _, loss = ddp_model(x[shard], y[shard])  # this process's rows
+            batch_loss = loss.detach()
+            if world_size > 1:
+                dist.all_reduce(batch_loss)
+                batch_loss /= world_size  # equal shards: the mean of the means is the batch mean
+            history.step_loss.append(batch_loss.item())
+            if not math.isfinite(history.step_loss[-1]):
+                raise FloatingPointError(f"loss became {history.step_loss[-1]} at step {step}; try a lower learning_rate")
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss.backward()  # DistributedDataParallel averages the gradients across processes here
             if config.grad_clip is not None:
                 nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
             optimizer.step()
@@ -269,8 +321,14 @@ def main(argv: list[str] | None = None) -> History:
         seed=args.seed,
         device=args.device,
     )
-    print(f"{model.num_parameters():,} parameters; training on {config.device or default_device()}")
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(f"{model.num_parameters():,} parameters; training on {config.device or default_device()}")
     history = train(model, corpus.train, corpus.val, config)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    if rank != 0:
+        return history
     for step, tr, va in zip(history.steps, history.train_loss, history.val_loss):
         print(f"step {step:5d}: train loss {tr:.4f}, val loss {va:.4f}")
     print(f"{history.elapsed_s:.1f} s, {history.tokens_per_s:,.0f} training tokens/s")

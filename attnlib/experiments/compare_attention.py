@@ -136,8 +136,10 @@ def compare(
         if progress:
             print(f"{variant}: {gpt.num_parameters():,} parameters", file=sys.stderr)
         history = train(gpt, corpus.train, corpus.val, train_cfg, progress=progress)
+        curves = asdict(history)
+        del curves["step_loss"]  # 5000 numbers per variant; the evaluated curves are what the chapter plots
         results["variants"][variant] = {
-            **asdict(history),
+            **curves,
             "final_train_loss": history.train_loss[-1],
             "final_val_loss": history.val_loss[-1],
             "parameters": gpt.num_parameters(),
