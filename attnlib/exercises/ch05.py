@@ -1,0 +1,218 @@
+"""Exercise checks for chapter 05 (talking heads): the mixed weights, where a layer leaks from, convex mixing.
+
+* 05.1 ``talking_heads_weights(q, k, mix_logits, mix_weights, mask=None)`` -> ``(B, n_heads, T_q, T_k)``
+* 05.2 ``leaking_positions(module, t, T, d_model)`` -> bool ``(T,)``: the positions after ``t`` that reach output ``t``
+* 05.3 ``convex_mix(weights, mix_raw)`` -> ``(B, n_heads, T_q, T_k)``: heads mixed by ``softmax(mix_raw, dim=-1)``
+
+Mixing matrices are indexed ``[output head, input head]``, as ``TalkingHeadsAttention.mix_logits``.
+The graders draw their random inputs from a local ``torch.Generator``; ``grade`` runs them inside
+``torch.random.fork_rng``, so checking an answer never changes the notebook's random state.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from attnlib.attention.multi_head import MultiHeadAttention
+from attnlib.attention.talking_heads import BiasedTalkingHeadsAttention, TalkingHeadsAttention
+from attnlib.config import GPTConfig
+from attnlib.exercises._core import exercise, expect, expect_close
+from attnlib.functional import attention, causal_mask, padding_mask
+
+__all__ = ["check_talking_heads_weights", "check_leaking_positions", "check_convex_mix"]
+
+
+# ------------------------------------------------------------------------------------------ 05.1
+def _reference_weights(q, k, mix_logits, mix_weights, mask):
+    """attnlib's talking-heads weights for the given queries, keys, mixing and mask (no causal mask added)."""
+    B, n_heads, T_k, head_dim = k.shape
+    module = TalkingHeadsAttention(GPTConfig(d_model=n_heads * head_dim, n_heads=n_heads, block_size=T_k)).eval()
+    module.causal = False  # the caller's mask is the whole mask
+    with torch.no_grad():
+        module.mix_logits.copy_(mix_logits)
+        module.mix_weights.copy_(mix_weights)
+        v = torch.zeros(B, n_heads, T_k, 1)
+        _, weights = module.attend(q, k, v, mask, need_weights=True)
+    return weights
+
+
+def _cases_05_1(g: torch.Generator):
+    """(description, q, k, mix_logits, mix_weights, mask)."""
+    cases = []
+
+    def mixing(n_heads):
+        return torch.randn(n_heads, n_heads, generator=g), torch.randn(n_heads, n_heads, generator=g)
+
+    q, k = torch.randn(2, 2, 4, 5, 3, generator=g).unbind(0)  # B=2, n_heads=4, T=5, head_dim=3
+    cases.append(("a causal mask", q, k, *mixing(4), causal_mask(5)))
+    q, k = torch.randn(2, 1, 2, 4, 8, generator=g).unbind(0)
+    cases.append(("mask=None", q, k, *mixing(2), None))
+    q, k = torch.randn(2, 2, 3, 6, 4, generator=g).unbind(0)
+    left_padded = causal_mask(6) & padding_mask(torch.tensor([6, 2]), 6).flip(-1)  # (B, T, T); rows 0..3 of seq 1 empty
+    cases.append(("a left-padded causal mask (some rows have no key at all)", q, k, *mixing(3), left_padded.unsqueeze(1)))
+    q = torch.randn(1, 4, 2, 4, generator=g)
+    k = torch.randn(1, 4, 6, 4, generator=g)
+    cases.append(("2 queries over 6 keys (bottom-right causal mask)", q, k, *mixing(4), causal_mask(2, 6)))
+    return cases
+
+
+@exercise("05.1")
+def check_talking_heads_weights(fn) -> None:
+    """Check hand-written talking-heads weights against ``TalkingHeadsAttention.attend``."""
+    g = torch.Generator().manual_seed(51)
+    for what, q, k, P_l, P_w, mask in _cases_05_1(g):
+        expected = _reference_weights(q, k, P_l, P_w, mask)
+        answer = fn(q.clone(), k.clone(), P_l.clone(), P_w.clone(), None if mask is None else mask.clone())
+        label = f"talking_heads_weights with {what}"
+        expect(isinstance(answer, torch.Tensor), f"{label} should return a torch.Tensor, got {type(answer).__name__}")
+        expect(tuple(answer.shape) == tuple(expected.shape),
+               f"{label} returned shape {tuple(answer.shape)}, expected (B, n_heads, T_q, T_k) = {tuple(expected.shape)}")
+        answer = answer.detach().float()
+        expect(not bool(torch.isnan(answer).any()),
+               f"{label} contains NaN: mask the logits after mixing them (-inf * 0 is NaN), and give rows with "
+               f"nothing to attend to zero weights")
+        if torch.allclose(answer, expected, atol=1e-5, rtol=1e-4):
+            continue
+        alternatives = [
+            ("you mixed with mix[h, g] instead of mix[g, h]: the matrices are [output head, input head], "
+             "einsum('bhij,gh->bgij', logits, mix)", (q, k, P_l.T, P_w.T, mask)),
+            ("mix_logits was not applied to the logits before the softmax", (q, k, torch.eye(len(P_l)), P_w, mask)),
+            ("mix_weights was not applied to the weights after the softmax", (q, k, P_l, torch.eye(len(P_w)), mask)),
+            ("the logits are not scaled: divide q k^T by sqrt(head_dim)", (q * math.sqrt(q.shape[-1]), k, P_l, P_w, mask)),
+        ]
+        for hint, args in alternatives:
+            if torch.allclose(answer, _reference_weights(*args), atol=1e-5, rtol=1e-4):
+                expect(False, f"{label}: {hint}")
+        if mask is not None:
+            hidden = ~mask.expand_as(expected)
+            expect(bool((answer[hidden] == 0).all()),
+                   f"{label}: a masked key got a non-zero weight; after the softmax set masked cells to 0, and "
+                   f"mix the weights without any bias")
+        diff = (answer.double() - expected.double()).abs().max().item()
+        expect(False, f"{label} differs from attnlib's weights (max abs difference {diff:.3g}); the order is: "
+                      f"scaled logits, mix with mix_logits, mask with -inf, softmax, zero masked cells, "
+                      f"mix with mix_weights")
+
+
+# ------------------------------------------------------------------------------------------ 05.2
+class _MaskedAttention(nn.Module):
+    """Multi-head attention whose mask also lets query i see the key ``offset`` positions ahead."""
+
+    def __init__(self, d_model: int, n_heads: int, offset: int) -> None:
+        super().__init__()
+        self.attn = MultiHeadAttention(d_model, n_heads, causal=False, backend="eager")
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[1]
+        i = torch.arange(T)[:, None]
+        j = torch.arange(T)[None, :]
+        return self.attn(x, mask=(j <= i) | (j == i + self.offset))  # (B, T, d_model)
+
+
+def _talking_heads(config: GPTConfig, g: torch.Generator, cls=TalkingHeadsAttention, bias: float | None = None):
+    module = cls(config)
+    with torch.no_grad():
+        module.mix_logits.copy_(torch.randn(config.n_heads, config.n_heads, generator=g))
+        module.mix_weights.copy_(torch.randn(config.n_heads, config.n_heads, generator=g))
+        if bias is not None:
+            module.mix_weights_bias.fill_(bias)
+    return module
+
+
+@exercise("05.2")
+def check_leaking_positions(fn) -> None:
+    """Check a per-position leak finder on causal, biased and partly unmasked layers."""
+    T, d_model, n_heads = 7, 16, 4
+    config = GPTConfig(d_model=d_model, n_heads=n_heads, block_size=16)
+    g = torch.Generator().manual_seed(52)
+    torch.manual_seed(52)  # the modules' own projections
+    after = torch.arange(T)
+    modules = [
+        ("TalkingHeadsAttention with random mixing", _talking_heads(config, g), lambda t: after < 0,
+         "a causal layer was reported as leaking"),
+        ("TalkingHeadsAttention with dropout 0.2, in training mode",
+         _talking_heads(GPTConfig(d_model=d_model, n_heads=n_heads, block_size=16, dropout=0.2), g).train(),
+         lambda t: after < 0, "dropout makes two runs differ by chance: call module.eval() before comparing"),
+        ("BiasedTalkingHeadsAttention (bias 0.01)", _talking_heads(config, g, BiasedTalkingHeadsAttention, 0.01),
+         lambda t: after > t, "a bias after the softmax puts weight on every key after t"),
+        ("BiasedTalkingHeadsAttention with bias 1e-4", _talking_heads(config, g, BiasedTalkingHeadsAttention, 1e-4),
+         lambda t: after > t, "a leak of about 1e-4 went unnoticed: use a tight tolerance (1e-6)"),
+        ("attention whose mask also opens the key 2 ahead", _MaskedAttention(d_model, n_heads, 2),
+         lambda t: after == t + 2,
+         "only position t + 2 reaches output t here: redraw one position s at a time, not everything from s on"),
+        ("attention whose mask also opens the key 1 ahead", _MaskedAttention(d_model, n_heads, 1),
+         lambda t: after == t + 1, "only position t + 1 reaches output t here"),
+    ]
+    torch.manual_seed(53)  # a learner's probe probably draws from the global generator: make the verdict reproducible
+    for name, module, expected_of, hint in modules:
+        for t in (0, 3, T - 1):
+            expected = expected_of(t)
+            answer = fn(module, t, T, d_model)
+            what = f"leaking_positions(<{name}>, t={t}, T={T})"
+            expect(isinstance(answer, torch.Tensor), f"{what} should return a torch.Tensor, got {type(answer).__name__}")
+            expect(tuple(answer.shape) == (T,), f"{what} returned shape {tuple(answer.shape)}, expected ({T},)")
+            expect(answer.dtype == torch.bool, f"{what} returned dtype {answer.dtype}; return a boolean tensor")
+            expect(not bool(answer[: t + 1].any()),
+                   f"{what} marked positions <= t: those are the past, which output t may read; only positions "
+                   f"after t can leak")
+            if not torch.equal(answer, expected):
+                got, want = answer.nonzero().flatten().tolist(), expected.nonzero().flatten().tolist()
+                expect(False, f"{what} returned positions {got}, expected {want}: {hint}")
+
+
+# ------------------------------------------------------------------------------------------ 05.3
+def _reference_convex_mix(weights: torch.Tensor, mix_raw: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("bgij,fg->bfij", weights, torch.softmax(mix_raw, dim=-1))  # (B, n_heads, T_q, T_k)
+
+
+def _cases_05_3(g: torch.Generator):
+    """(description, weights, mask, mix_raw)."""
+    cases = []
+    q, k, v = torch.randn(3, 2, 4, 5, 3, generator=g).unbind(0)
+    _, w = attention(q, k, v, mask=causal_mask(5))
+    cases.append(("causal weights", w, causal_mask(5).expand_as(w), 2.0 * torch.randn(4, 4, generator=g)))
+    q, k, v = torch.randn(3, 2, 3, 6, 4, generator=g).unbind(0)
+    mask = (causal_mask(6) & padding_mask(torch.tensor([6, 3]), 6).flip(-1)).unsqueeze(1)  # (B, 1, T, T)
+    _, w = attention(q, k, v, mask=mask)
+    cases.append(("left-padded weights (some rows empty)", w, mask.expand_as(w), torch.randn(3, 3, generator=g)))
+    q, k, v = torch.randn(3, 1, 4, 4, 2, generator=g).unbind(0)
+    _, w = attention(q, k, v, mask=causal_mask(4))
+    cases.append(("mix_raw = 0 (every head becomes the average of all heads)", w, causal_mask(4).expand_as(w),
+                  torch.zeros(4, 4)))
+    cases.append(("mix_raw with entries near +-100", w, causal_mask(4).expand_as(w),
+                  100.0 * torch.randn(4, 4, generator=g).sign()))
+    return cases
+
+
+@exercise("05.3")
+def check_convex_mix(fn) -> None:
+    """Check a head mixing whose coefficients are a softmax over the input heads."""
+    g = torch.Generator().manual_seed(53)
+    for what, weights, mask, mix_raw in _cases_05_3(g):
+        expected = _reference_convex_mix(weights, mix_raw)
+        label = f"convex_mix with {what}"
+        answer = fn(weights.clone(), mix_raw.clone())
+        expect(isinstance(answer, torch.Tensor), f"{label} should return a torch.Tensor, got {type(answer).__name__}")
+        expect(tuple(answer.shape) == tuple(expected.shape),
+               f"{label} returned shape {tuple(answer.shape)}, expected {tuple(expected.shape)}")
+        answer = answer.detach().float()
+        expect(bool(torch.isfinite(answer).all()),
+               f"{label} is not finite: exp of large scores overflows; use torch.softmax (it subtracts the maximum)")
+        expect(bool((answer[~mask] == 0).all()), f"{label}: a masked weight became non-zero; mix without a bias")
+        expect(bool((answer >= -1e-6).all()),
+               f"{label} has negative weights: every mixing coefficient must be >= 0 (a softmax of mix_raw)")
+        row_sums = answer.sum(-1)
+        want_sums = mask.any(-1).to(answer.dtype)  # 1 for rows with a key, 0 for empty rows
+        if torch.allclose(answer, expected, atol=1e-5, rtol=1e-4):
+            continue
+        if torch.allclose(answer, _reference_convex_mix(weights, mix_raw.T), atol=1e-5, rtol=1e-4):
+            expect(False, f"{label}: you used mix_raw[h, g]; mix_raw is [output head, input head], so output head f "
+                          f"uses row f of softmax(mix_raw, dim=-1)")
+        expect(torch.allclose(row_sums, want_sums, atol=1e-5),
+               f"{label}: rows should sum to 1 (or 0 where the query saw no key), got sums from "
+               f"{row_sums.min().item():.3f} to {row_sums.max().item():.3f}; each output head's coefficients must "
+               f"sum to 1: softmax over the input heads, the last dimension of mix_raw")
+        expect_close(answer, expected, label)
