@@ -27,12 +27,14 @@ class GPTConfig:
         bias: whether the Linear layers and LayerNorms carry a bias.
         attention: name of the attention variant in
             :data:`attnlib.attention.ATTENTION_REGISTRY` (``"mha"``, ...).
+        gelu_approximate: the MLP's GELU, as ``torch.nn.GELU(approximate=...)``:
+            ``"none"`` (exact) or ``"tanh"`` (GPT-2's form, needed to reproduce its weights).
 
     Raises:
         TypeError: a size that is not an int.
         ValueError: a non-positive size, ``d_model`` not divisible by ``n_heads``,
             ``n_heads`` not divisible by ``n_kv_heads``, ``kv_latent_dim < 1``, ``dropout`` outside [0, 1),
-            or an unknown attention name. The message names the value.
+            an unknown attention name or GELU form. The message names the value.
     """
 
     vocab_size: int = 65
@@ -45,6 +47,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     attention: str = "mha"
+    gelu_approximate: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layers", "n_heads", "d_model"):
@@ -66,6 +69,29 @@ class GPTConfig:
         if self.attention not in ATTENTION_REGISTRY:
             known = ", ".join(sorted(ATTENTION_REGISTRY))
             raise ValueError(f"attention={self.attention!r} is not a known variant; choose one of: {known}")
+        if self.gelu_approximate not in ("none", "tanh"):
+            raise ValueError(f"gelu_approximate={self.gelu_approximate!r} must be 'none' or 'tanh'")
+
+    @classmethod
+    def gpt2(cls, size: str = "small", **overrides) -> GPTConfig:
+        """The sizes of OpenAI's GPT-2 (Radford et al. 2019): ``"small"`` (124M), ``"medium"``, ``"large"``, ``"xl"``.
+
+        Vocabulary 50,257, context 1,024, biases, the tanh GELU; chapter 14. ``overrides``
+        replace any field (e.g. ``n_layers=2`` for a quick test).
+
+        Raises:
+            ValueError: an unknown size.
+        """
+        sizes = {
+            "small": dict(n_layers=12, n_heads=12, d_model=768),
+            "medium": dict(n_layers=24, n_heads=16, d_model=1024),
+            "large": dict(n_layers=36, n_heads=20, d_model=1280),
+            "xl": dict(n_layers=48, n_heads=25, d_model=1600),
+        }
+        if size not in sizes:
+            raise ValueError(f"size={size!r} is not one of {list(sizes)}")
+        fields = dict(vocab_size=50257, block_size=1024, bias=True, dropout=0.0, gelu_approximate="tanh")
+        return cls(**{**fields, **sizes[size], **overrides})
 
     @property
     def head_dim(self) -> int:

@@ -30,7 +30,7 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.fc = nn.Linear(config.d_model, 4 * config.d_model, bias=config.bias)
-        self.gelu = nn.GELU()
+        self.gelu = nn.GELU(approximate=config.gelu_approximate)
         self.proj = nn.Linear(4 * config.d_model, config.d_model, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -93,6 +93,13 @@ class GPT(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith(self.residual_projections):
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layers))
+
+    @classmethod
+    def from_hf_gpt2(cls, source, config: GPTConfig | None = None) -> GPT:
+        """Load Hugging Face GPT-2 weights; see :func:`attnlib.gpt2.from_hf_gpt2` (chapter 14)."""
+        from attnlib.gpt2 import from_hf_gpt2  # late import: attnlib.gpt2 imports this module
+
+        return from_hf_gpt2(source, config)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters, the tied embedding counted once.
