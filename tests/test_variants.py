@@ -4,6 +4,7 @@ Causality of every registry entry (alone and inside the GPT) is tested in test_m
 """
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode  # private, but stable across recent releases
 
 from attnlib import GPT, GPTConfig, MultiHeadAttention
 from attnlib.attention import (
@@ -114,13 +115,35 @@ def test_the_three_kv_sharings_agree(n_kv_heads):
         torch.testing.assert_close(w, w_ref, atol=ATOL, rtol=0)
 
 
-def test_expand_shares_kv_memory_instead_of_copying():
-    gqa = GroupedQueryAttention(GPTConfig(d_model=32, n_heads=4, n_kv_heads=1), kv_sharing="expand")
-    _, k, _ = gqa.project(torch.randn(1, 5, 32))
-    shared = k.unsqueeze(2).expand(1, 1, 4, 5, 8)  # the broadcast the expand path relies on
-    assert shared.data_ptr() == k.data_ptr() and shared.stride(2) == 0
-    copied = k.repeat_interleave(4, dim=1)
-    assert copied.data_ptr() != k.data_ptr() and copied.numel() == 4 * k.numel()
+class NewStorageBytes(TorchDispatchMode):
+    """Adds up the bytes of every new storage the operations inside allocate."""
+
+    def __init__(self, *known):
+        super().__init__()
+        self.seen = {t.untyped_storage().data_ptr() for t in known}
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.seen:
+                self.seen.add(t.untyped_storage().data_ptr())
+                self.bytes += t.untyped_storage().nbytes()
+        return out
+
+
+@pytest.mark.parametrize("kv_sharing, copies", [("expand", False), ("sdpa", False), ("repeat_interleave", True)])
+def test_which_kv_sharings_copy_the_shared_heads(kv_sharing, copies):
+    """A decoding step (one query per head, a long cache): copying K/V dwarfs everything else it allocates."""
+    config = GPTConfig(d_model=2048, n_heads=16, n_kv_heads=2, block_size=1024)
+    with torch.device("meta"):
+        layer = GroupedQueryAttention(config, kv_sharing=kv_sharing)
+    q = torch.randn(2, 16, 1, 128)  # (B, n_heads, 1, head_dim): one new token
+    k, v = torch.randn(2, 2, 1024, 128), torch.randn(2, 2, 1024, 128)  # (B, n_kv_heads, T_k, head_dim)
+    with NewStorageBytes(q, k, v) as log:
+        layer.attend(q, k, v, None, False)
+    kv_bytes = k.untyped_storage().nbytes() + v.untyped_storage().nbytes()
+    assert (log.bytes >= 8 * kv_bytes) if copies else (log.bytes < kv_bytes / 4), log.bytes
 
 
 # ---------------------------------------------------------------- MLA

@@ -32,8 +32,10 @@ class GroupedQueryAttention(AttentionBase):
             * ``"repeat_interleave"``: copy each K/V head ``n_heads // n_kv_heads`` times
               (``torch.repeat_interleave``), then ordinary attention: simple, but the
               copies cost memory;
-            * ``"expand"``: view the queries as ``(B, n_kv_heads, group, T, head_dim)`` and
-              let matmul broadcast K/V over the group: no copy;
+            * ``"expand"``: fold each group of query heads into the query axis,
+              ``(B, n_kv_heads, group · T, head_dim)``, and attend against the K/V heads as
+              they are: no copy of K/V (broadcasting ``k.unsqueeze(2)`` instead would
+              look copy-free, but ``matmul`` materialises the broadcast);
             * ``"sdpa"``: ``F.scaled_dot_product_attention(..., enable_gqa=True)``.
 
     Attributes:
@@ -83,18 +85,22 @@ class GroupedQueryAttention(AttentionBase):
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=True
             )
             return y, None
-        # "expand" (and weights on request): broadcast each K/V head over its group of queries, no copy.
+        # "expand" (and weights on request): fold each group of query heads into the query axis, so
+        # every K/V head is used as it is. (Broadcasting k.unsqueeze(2) against grouped queries would
+        # look copy-free, but matmul materialises the broadcast: chapter 06 measures it.)
         B, _, T_q, hd = q.shape
-        q = q.view(B, self.n_kv_heads, self.group_size, T_q, hd)  # (B, n_heads, T, hd) -> (B, n_kv, group, T, hd)
-        k, v = k.unsqueeze(2), v.unsqueeze(2)  # (B, n_kv, T, hd) -> (B, n_kv, 1, T, hd): a view
-        full = self.full_mask(mask, T_q, k.shape[-2], q.device)
+        T_k = k.shape[-2]
+        q = q.reshape(B, self.n_kv_heads, self.group_size * T_q, hd)  # (B, n_heads, T_q, hd) -> (B, n_kv, group*T_q, hd)
+        full = self.full_mask(mask, T_q, T_k, q.device)
         if full is not None:
             full = full.reshape((1,) * (4 - full.dim()) + tuple(full.shape))  # as (B|1, n_heads|1, T_q, T_k)
             b, h = full.shape[:2]
-            # follow the queries' grouping: (b, n_heads, ...) -> (b, n_kv, group, ...); (b, 1, ...) -> (b, 1, 1, ...)
-            full = full.view(b, self.n_kv_heads, self.group_size, *full.shape[2:]) if h > 1 else full.unsqueeze(2)
+            if h > 1:  # one mask per query head: (b, n_heads, T_q, T_k) -> (b, n_kv, group*T_q, T_k)
+                full = full.expand(b, self.n_heads, T_q, T_k).reshape(b, self.n_kv_heads, self.group_size * T_q, T_k)
+            else:  # the same mask for every head: repeat it over the group's stacked queries (a small bool copy)
+                full = full.expand(b, 1, T_q, T_k).repeat(1, 1, self.group_size, 1)
         y, weights = attention(q, k, v, mask=full, dropout_p=self.dropout if self.training else 0.0)
-        return y.reshape(B, self.n_heads, T_q, hd), weights.reshape(B, self.n_heads, T_q, -1)
+        return y.view(B, self.n_heads, T_q, hd), weights.view(B, self.n_heads, T_q, T_k)
 
     @staticmethod
     def kv_cache_size(config: GPTConfig) -> int:
