@@ -111,7 +111,9 @@ def beam_search(
     decoding.
 
     Args:
-        model: an :class:`attnlib.GPT` (anything with ``config`` and ``next_token_logits``).
+        model: an :class:`attnlib.GPT`, or any decoder with ``next_token_logits(tokens, cache, n_new)
+            -> (logits (n_beams, vocab), cache)`` and ``new_cache()`` (a cache with ``reorder(index)``,
+            or ``None`` to decode without one), e.g. the decoder of :class:`attnlib.transformer.Transformer`.
         idx: ``(1, T)`` integer prompt.
         max_new_tokens: tokens to add (>= 0).
         beam_width: beams kept (>= 1).
@@ -133,15 +135,13 @@ def beam_search(
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != 1:
         shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
         raise ValueError(f"beam_search takes one prompt of shape (1, T); got {shape}")
-    from attnlib.cache import KVCache  # late import: attnlib.cache is independent of this module
-
     stops = torch.tensor(list(stop_tokens or []), dtype=torch.long, device=idx.device)
     was_training = model.training
     model.eval()
     try:
         beams, scores = idx, torch.zeros(1, device=idx.device)  # (n_beams, T), (n_beams,)
         done = torch.zeros(1, dtype=torch.bool, device=idx.device)
-        cache = KVCache.for_model(model) if use_cache else None
+        cache = model.new_cache() if use_cache else None
         n_new = idx.shape[1]
         for _ in range(max_new_tokens):
             logits, cache = model.next_token_logits(beams, cache, n_new)

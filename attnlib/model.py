@@ -168,6 +168,10 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(B * T))
         return logits, loss
 
+    def new_cache(self) -> KVCache:
+        """An empty :class:`attnlib.cache.KVCache` for this model."""
+        return KVCache.for_model(self)
+
     @torch.no_grad()
     def next_token_logits(self, idx: torch.Tensor, cache: KVCache | None, n_new: int) -> tuple[torch.Tensor, KVCache | None]:
         """Logits for the token after ``idx``, feeding only the last ``n_new`` tokens through ``cache``.

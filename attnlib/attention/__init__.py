@@ -4,6 +4,7 @@
 ``(B, T, d_model)`` → ``(B, T, d_model)`` causally; each class also has a
 ``kv_cache_size(config)``: the numbers a KV cache keeps per token and layer.
 """
+from attnlib.attention.cross import CrossAttention
 from attnlib.attention.grouped_query import KV_SHARING, GroupedQueryAttention, MultiQueryAttention
 from attnlib.attention.latent import MultiHeadLatentAttention
 from attnlib.attention.multi_head import BACKENDS, AttentionBase, CausalSelfAttention, MultiHeadAttention
@@ -26,6 +27,7 @@ __all__ = [
     "BiasedTalkingHeadsAttention",
     "CausalAttention",
     "CausalSelfAttention",
+    "CrossAttention",
     "GroupedQueryAttention",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
