@@ -1,0 +1,205 @@
+"""Word-level tokenizer with special tokens BOS, EOS, PAD and UNK (chapter 11).
+
+The split is a regular expression, :data:`WORD_PATTERN`: a token is either a run of word characters
+(letters, digits, underscore, any script) or a single other non-space character (punctuation).
+Whitespace only separates tokens and is not kept, so decoding joins tokens with one space:
+``decode(encode("Hi, you!"))`` is ``"Hi , you !"``.
+
+Special tokens have fixed ids, the same for every vocabulary:
+
+======  ==========  ==
+token   constant    id
+======  ==========  ==
+<pad>   PAD_ID      0
+<bos>   BOS_ID      1
+<eos>   EOS_ID      2
+<unk>   UNK_ID      3
+======  ==========  ==
+
+PAD is 0 so that a zero-initialised batch is all padding.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import torch
+
+__all__ = ["WordTokenizer", "WORD_PATTERN", "PAD", "BOS", "EOS", "UNK", "PAD_ID", "BOS_ID", "EOS_ID", "UNK_ID"]
+
+WORD_PATTERN = re.compile(r"\w+|[^\w\s]")
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
+
+
+def _check_text(text: object) -> str:
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    return text
+
+
+def _check_max_len(max_len: object, smallest: int) -> int | None:
+    if max_len is None:
+        return None
+    if isinstance(max_len, bool) or not isinstance(max_len, int):
+        raise TypeError(f"max_len must be an int or None, got {type(max_len).__name__}")
+    if max_len < smallest:
+        raise ValueError(f"max_len={max_len} is too small: it must be at least {smallest}")
+    return max_len
+
+
+class WordTokenizer:
+    """One id per word of a vocabulary, plus the four special tokens (chapter 11).
+
+    Build one from a corpus with :meth:`from_corpus`, or pass the words directly.
+
+    Args:
+        words: the vocabulary's words, in id order; they get ids ``4, 5, ...`` after the special
+            tokens. Duplicates and special tokens are not allowed.
+
+    Raises:
+        TypeError: a word is not a str.
+        ValueError: a word is repeated, empty, or is a special token.
+    """
+
+    def __init__(self, words: Iterable[str]) -> None:
+        self.itos: list[str] = list(SPECIAL_TOKENS)
+        self.stoi: dict[str, int] = {t: i for i, t in enumerate(self.itos)}
+        for w in words:
+            if not isinstance(w, str):
+                raise TypeError(f"vocabulary words must be str, got {type(w).__name__}")
+            if not w or w in self.stoi:
+                raise ValueError(f"word {w!r} is empty, repeated or a special token")
+            self.stoi[w] = len(self.itos)
+            self.itos.append(w)
+
+    pad_id, bos_id, eos_id, unk_id = PAD_ID, BOS_ID, EOS_ID, UNK_ID
+
+    @staticmethod
+    def split(text: str) -> list[str]:
+        """The words and punctuation of ``text`` (see :data:`WORD_PATTERN`); ``[]`` for ``""``."""
+        return WORD_PATTERN.findall(_check_text(text))
+
+    @classmethod
+    def from_corpus(cls, texts: str | Iterable[str], min_freq: int = 1, max_size: int | None = None) -> WordTokenizer:
+        """Build the vocabulary from the words of ``texts``.
+
+        Words are ranked by frequency, most frequent first, ties in alphabetical order; words seen
+        fewer than ``min_freq`` times are left out (they will encode as UNK).
+
+        Args:
+            texts: one string or an iterable of strings.
+            min_freq: the smallest count a word needs to enter the vocabulary (>= 1).
+            max_size: the largest vocabulary size, special tokens included (>= 4), or None.
+
+        Raises:
+            TypeError: ``texts`` is neither a str nor an iterable of str.
+            ValueError: ``min_freq < 1`` or ``max_size < 4``.
+        """
+        if isinstance(texts, str):
+            texts = [texts]
+        if isinstance(min_freq, bool) or not isinstance(min_freq, int) or min_freq < 1:
+            raise ValueError(f"min_freq={min_freq!r} must be an int >= 1")
+        if max_size is not None and (isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 4):
+            raise ValueError(f"max_size={max_size!r} must be None or an int >= 4 (the special tokens take 4 ids)")
+        counts: Counter[str] = Counter()
+        for text in texts:
+            counts.update(cls.split(text))
+        ranked = sorted((w for w, c in counts.items() if c >= min_freq and w not in SPECIAL_TOKENS),
+                        key=lambda w: (-counts[w], w))
+        if max_size is not None:
+            ranked = ranked[: max_size - len(SPECIAL_TOKENS)]
+        return cls(ranked)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, special tokens included."""
+        return len(self.itos)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __repr__(self) -> str:
+        return f"WordTokenizer(vocab_size={self.vocab_size})"
+
+    def encode(self, text: str, add_special_tokens: bool = True, max_len: int | None = None) -> list[int]:
+        """Ids of the words of ``text``; unknown words become ``UNK_ID``.
+
+        Args:
+            text: the text (``""`` gives ``[BOS_ID, EOS_ID]``, or ``[]`` without special tokens).
+            add_special_tokens: put ``BOS_ID`` first and ``EOS_ID`` last.
+            max_len: truncate to at most this many ids. The words are cut, BOS and EOS are kept, so
+                with special tokens ``max_len`` must be at least 2.
+
+        Raises:
+            TypeError: ``text`` is not a str, ``max_len`` not an int.
+            ValueError: ``max_len`` is negative (or below 2 with special tokens).
+        """
+        max_len = _check_max_len(max_len, 2 if add_special_tokens else 0)
+        ids = [self.stoi.get(w, UNK_ID) for w in self.split(text)]
+        if add_special_tokens:
+            if max_len is not None:
+                ids = ids[: max_len - 2]
+            return [BOS_ID, *ids, EOS_ID]
+        return ids if max_len is None else ids[:max_len]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """The words of ``ids`` joined by single spaces.
+
+        Args:
+            ids: a list of ints or a 1-D integer tensor.
+            skip_special_tokens: drop PAD, BOS and EOS. UNK is always shown as ``<unk>``: it
+                stands for a word.
+
+        Raises:
+            ValueError: an id is outside ``[0, vocab_size)`` (the message names it).
+        """
+        if isinstance(ids, (str, bytes)):
+            raise TypeError(f"ids must be a sequence of ints, got {type(ids).__name__}")
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        words = []
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size:
+                raise ValueError(f"id {i!r} is outside the vocabulary [0, {self.vocab_size})")
+            if skip_special_tokens and i in (PAD_ID, BOS_ID, EOS_ID):
+                continue
+            words.append(self.itos[i])
+        return " ".join(words)
+
+    def pad_batch(self, batch: Sequence[Sequence[int]], max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-pad sequences of ids into one tensor.
+
+        Args:
+            batch: B sequences of ids (lists or 1-D tensors), e.g. from :meth:`encode`.
+            max_len: truncate longer sequences to this length (``T <= max_len``); None keeps all.
+
+        Returns:
+            ``(ids, attention_mask)``: ``ids`` a LongTensor ``(B, T)`` filled with ``PAD_ID`` after
+            each sequence, ``T`` the longest (truncated) length; ``attention_mask`` a bool tensor
+            ``(B, T)``, True at real tokens. ``attention_mask.sum(1)`` gives the lengths, the
+            ``lengths`` argument of ``attnlib.functional.padding_mask``.
+
+        Raises:
+            ValueError: the batch is empty, or ``max_len`` is negative.
+            TypeError: an element is not a sequence of ints.
+        """
+        max_len = _check_max_len(max_len, 0)
+        if isinstance(batch, torch.Tensor):
+            batch = list(batch)
+        if len(batch) == 0:
+            raise ValueError("cannot pad an empty batch")
+        rows = []
+        for b, seq in enumerate(batch):
+            seq = seq.tolist() if hasattr(seq, "tolist") else seq
+            if isinstance(seq, (str, bytes)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in seq):
+                raise TypeError(f"batch[{b}] must be a sequence of int ids")
+            rows.append(list(seq)[:max_len] if max_len is not None else list(seq))
+        T = max(len(r) for r in rows)
+        ids = torch.full((len(rows), T), PAD_ID, dtype=torch.long)
+        attention_mask = torch.zeros(len(rows), T, dtype=torch.bool)
+        for b, r in enumerate(rows):
+            ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+            attention_mask[b, : len(r)] = True
+        return ids, attention_mask
