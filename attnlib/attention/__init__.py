@@ -9,6 +9,7 @@ from attnlib.attention.grouped_query import KV_SHARING, GroupedQueryAttention, M
 from attnlib.attention.latent import MultiHeadLatentAttention
 from attnlib.attention.multi_head import BACKENDS, AttentionBase, CausalSelfAttention, MultiHeadAttention
 from attnlib.attention.talking_heads import BiasedTalkingHeadsAttention, TalkingHeadsAttention
+from attnlib.attention.target import TargetAttention
 from attnlib.attention.teaching import CausalAttention, MultiHeadAttentionWrapper, SelfAttentionV1, SelfAttentionV2
 
 ATTENTION_REGISTRY: dict[str, type[AttentionBase]] = {
@@ -36,4 +37,5 @@ __all__ = [
     "SelfAttentionV1",
     "SelfAttentionV2",
     "TalkingHeadsAttention",
+    "TargetAttention",
 ]
