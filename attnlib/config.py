@@ -1,7 +1,7 @@
 """`GPTConfig`: the sizes of a decoder-only GPT, checked when it is made."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from attnlib._checks import divisible, positive_int, probability
 
@@ -92,6 +92,19 @@ class GPTConfig:
             raise ValueError(f"size={size!r} is not one of {list(sizes)}")
         fields = dict(vocab_size=50257, block_size=1024, bias=True, dropout=0.0, gelu_approximate="tanh")
         return cls(**{**fields, **sizes[size], **overrides})
+
+    def replace(self, **changes) -> GPTConfig:
+        """A copy with ``changes``; ``n_kv_heads`` and ``kv_latent_dim`` that held their defaults are derived anew.
+
+        (``dataclasses.replace`` would keep them: ``replace(config, n_heads=2)`` on a config with
+        ``n_kv_heads`` defaulted to 4 would fail, 2 not being divisible by 4.)
+        """
+        fields = asdict(self)
+        if "n_kv_heads" not in changes and self.n_kv_heads == self.n_heads:
+            fields["n_kv_heads"] = None
+        if "kv_latent_dim" not in changes and self.kv_latent_dim == max(1, self.d_model // 4):
+            fields["kv_latent_dim"] = None
+        return GPTConfig(**{**fields, **changes})
 
     @property
     def head_dim(self) -> int:

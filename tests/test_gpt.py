@@ -35,6 +35,16 @@ def test_config_defaults():
     assert c.n_kv_heads == 4 and c.head_dim == 16 and c.attention in ATTENTION_REGISTRY
 
 
+def test_replace_derives_defaults_anew():
+    base = GPTConfig(n_heads=4, d_model=64)
+    smaller = base.replace(n_heads=2, d_model=32)
+    assert (smaller.n_kv_heads, smaller.kv_latent_dim) == (2, 8)
+    kept = GPTConfig(n_heads=4, n_kv_heads=2, kv_latent_dim=5).replace(n_layers=1)
+    assert (kept.n_kv_heads, kept.kv_latent_dim, kept.n_layers) == (2, 5, 1)
+    with pytest.raises(ValueError, match="n_heads=3 is not divisible by n_kv_heads=2"):
+        GPTConfig(n_heads=4, n_kv_heads=2, d_model=48).replace(n_heads=3)
+
+
 def test_forward_shapes_and_initial_loss():
     torch.manual_seed(0)
     model = GPT(GPTConfig(**SMALL))

@@ -12,7 +12,9 @@ transformers = pytest.importorskip("transformers")
 def hf_model():
     """A small GPT2LMHeadModel with random weights: no download."""
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=97, n_positions=24, n_embd=48, n_layer=3, n_head=4)
+    config = transformers.GPT2Config(
+        vocab_size=97, n_positions=24, n_embd=48, n_layer=3, n_head=4, bos_token_id=0, eos_token_id=0
+    )
     model = transformers.GPT2LMHeadModel(config).eval()
     with torch.no_grad():  # make every weight matter: random biases and LayerNorm parameters too
         for name, p in model.named_parameters():
@@ -61,7 +63,10 @@ def test_state_dict_needs_a_config_and_matching_shapes(hf_model):
 
 
 def test_unsupported_hf_variants_are_refused():
-    config = transformers.GPT2Config(vocab_size=11, n_positions=8, n_embd=16, n_layer=1, n_head=2, activation_function="relu")
+    config = transformers.GPT2Config(
+        vocab_size=11, n_positions=8, n_embd=16, n_layer=1, n_head=2, activation_function="relu",
+        bos_token_id=0, eos_token_id=0,
+    )
     with pytest.raises(ValueError, match="activation_function='relu'"):
         GPT.from_hf_gpt2(transformers.GPT2LMHeadModel(config))
 
