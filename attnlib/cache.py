@@ -60,10 +60,18 @@ class LayerCache:
             buffer = self.buffers[name]
             if buffer.shape[:-2] != t.shape[:-2] or buffer.shape[-1] != t.shape[-1]:
                 raise ValueError(f"cached {name!r} has shape {tuple(buffer.shape)}; cannot append {tuple(t.shape)}")
+            if buffer.dtype != t.dtype or buffer.device != t.device:
+                raise ValueError(
+                    f"cached {name!r} is {buffer.dtype} on {buffer.device}; cannot append {t.dtype} on {t.device}"
+                )
             buffer[..., self.length : end, :] = t
             out.append(buffer[..., :end, :])
         self.length = end
         return tuple(out)
+
+    def reset(self) -> None:
+        """Forget every position, keeping the allocated buffers for reuse."""
+        self.length = 0
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` (beam search: follow each surviving beam's parent)."""
@@ -107,6 +115,11 @@ class KVCache:
     def length(self) -> int:
         """Positions cached so far."""
         return self.layers[0].length
+
+    def reset(self) -> None:
+        """Forget every position in every layer, keeping the buffers."""
+        for layer in self.layers:
+            layer.reset()
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` in every layer."""

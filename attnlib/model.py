@@ -123,7 +123,7 @@ class GPT(nn.Module):
             raise ValueError(f"{name} must have shape (B, T); got {tuple(idx.shape)}")
         if idx.shape[1] > self.config.block_size:
             raise ValueError(f"sequence length T={idx.shape[1]} exceeds block_size={self.config.block_size}")
-        if idx.numel() and ((idx < 0) | (idx >= self.config.vocab_size)).any():
+        if idx.device.type != "meta" and idx.numel() and ((idx < 0) | (idx >= self.config.vocab_size)).any():
             bad = idx[(idx < 0) | (idx >= self.config.vocab_size)][0].item()
             raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {self.config.vocab_size})")
 
@@ -177,8 +177,8 @@ class GPT(nn.Module):
         """Logits for the token after ``idx``, feeding only the last ``n_new`` tokens through ``cache``.
 
         Without a cache, the last ``block_size`` tokens are encoded from scratch. With one,
-        the new tokens are appended; when they would not fit, the window slides: a fresh
-        cache is filled with the last ``block_size`` tokens, exactly what the uncached
+        the new tokens are appended; when they would not fit, the window slides: the cache
+        is emptied and refilled with the last ``block_size`` tokens, exactly what the uncached
         path sees (learned absolute positions cannot be shifted inside a cache).
 
         Returns:
@@ -188,7 +188,7 @@ class GPT(nn.Module):
         if cache is None:
             return self(idx[:, -block_size:])[0][:, -1, :], None
         if cache.length + n_new > block_size or cache.length == 0:
-            cache = KVCache.for_model(self)
+            cache.reset()  # the window slides: re-encode it from position 0, reusing the buffers
             n_new = min(idx.shape[1], block_size)
         return self(idx[:, -n_new:], cache=cache)[0][:, -1, :], cache
 

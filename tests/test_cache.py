@@ -94,6 +94,11 @@ def test_cache_errors():
         with pytest.raises(ValueError, match="cannot append"):
             model(torch.randint(0, 23, (2, 1)), cache=cache)  # another batch size
     layer = LayerCache(4)
+    layer.update(k=torch.zeros(1, 2, 2))
+    with pytest.raises(ValueError, match="is torch.float32 on cpu; cannot append torch.float64"):
+        layer.update(k=torch.zeros(1, 1, 2, dtype=torch.float64))
+    layer.reset()
+    assert layer.length == 0 and layer.update(k=torch.ones(1, 1, 2))[0].shape == (1, 1, 2)
     with pytest.raises(ValueError, match="max_len=4; cannot add 5"):
         layer.update(k=torch.zeros(1, 5, 2))
     with pytest.raises(ValueError, match="max_len=0"):
