@@ -128,7 +128,11 @@ class GPT(nn.Module):
             raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {self.config.vocab_size})")
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        last_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Next-token logits, and the cross-entropy loss when targets are given.
 
@@ -138,6 +142,8 @@ class GPT(nn.Module):
             cache: a :class:`attnlib.cache.KVCache` (chapter 08): ``idx`` holds the
                 tokens after the ``cache.length`` already cached, at positions
                 ``cache.length, …``; their keys/values are appended to the cache.
+            last_only: compute the logits of the last position only, ``(B, 1, vocab_size)``
+                (generation needs no more; the output head is a large share of a step).
 
         Returns:
             ``(logits, loss)``: logits ``(B, T, vocab_size)`` float; loss a scalar
@@ -158,6 +164,10 @@ class GPT(nn.Module):
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, d_model) + (T, d_model) -> (B, T, d_model)
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache.layers[i])
+        if last_only:
+            if targets is not None:
+                raise ValueError("last_only=True computes no loss: it cannot take targets")
+            x = x[:, -1:, :]  # (B, T, d_model) -> (B, 1, d_model)
         logits = self.lm_head(self.ln_f(x))  # (B, T, d_model) -> (B, T, vocab_size)
 
         loss = None
@@ -186,11 +196,11 @@ class GPT(nn.Module):
         """
         block_size = self.config.block_size
         if cache is None:
-            return self(idx[:, -block_size:])[0][:, -1, :], None
+            return self(idx[:, -block_size:], last_only=True)[0][:, -1, :], None
         if cache.length + n_new > block_size or cache.length == 0:
             cache.reset()  # the window slides: re-encode it from position 0, reusing the buffers
             n_new = min(idx.shape[1], block_size)
-        return self(idx[:, -n_new:], cache=cache)[0][:, -1, :], cache
+        return self(idx[:, -n_new:], cache=cache, last_only=True)[0][:, -1, :], cache
 
     @torch.no_grad()
     def generate(

@@ -57,6 +57,16 @@ def test_forward_shapes_and_initial_loss():
     assert model(idx)[1] is None
 
 
+def test_last_only_gives_the_last_position():
+    model = GPT(GPTConfig(**SMALL)).eval()
+    idx = torch.randint(0, 20, (2, 9))
+    last, loss = model(idx, last_only=True)
+    assert last.shape == (2, 1, 20) and loss is None
+    torch.testing.assert_close(last[:, 0], model(idx)[0][:, -1])
+    with pytest.raises(ValueError, match="last_only=True computes no loss"):
+        model(idx, idx, last_only=True)
+
+
 def test_weights_are_tied_and_counted_once():
     model = GPT(GPTConfig(**SMALL))
     assert model.lm_head.weight is model.tok_emb.weight

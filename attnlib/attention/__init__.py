@@ -10,6 +10,7 @@ from attnlib.attention.latent import MultiHeadLatentAttention
 from attnlib.attention.multi_head import BACKENDS, AttentionBase, CausalSelfAttention, MultiHeadAttention
 from attnlib.attention.talking_heads import BiasedTalkingHeadsAttention, TalkingHeadsAttention
 from attnlib.attention.target import TargetAttention
+from attnlib.attention.tiled import online_softmax, online_softmax_update, tiled_attention
 from attnlib.attention.teaching import CausalAttention, MultiHeadAttentionWrapper, SelfAttentionV1, SelfAttentionV2
 
 ATTENTION_REGISTRY: dict[str, type[AttentionBase]] = {

@@ -1,0 +1,122 @@
+"""What every benchmark shares: the environment header, timing, tables and JSON files."""
+from __future__ import annotations
+
+import contextlib
+import json
+import platform
+import statistics
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+from torch.utils import benchmark
+
+import attnlib
+
+__all__ = ["RESULTS_DIR", "environment", "format_environment", "format_table", "load_results", "resolve_device",
+           "threads", "time_calls", "write_json"]
+
+#: Where the full-size results are kept (in the repository, beside the package): ``results/bench_<name>.json``.
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "results"
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``device`` as a ``torch.device``; ``None`` means :func:`attnlib.device` (CUDA, then MPS, then CPU)."""
+    return attnlib.device() if device is None else torch.device(device)
+
+
+@contextlib.contextmanager
+def threads(n: int | None) -> Iterator[None]:
+    """Run the block with ``torch.set_num_threads(n)`` (``None``: leave it), then restore the old number."""
+    old = torch.get_num_threads()
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"threads={n!r} must be a positive int or None")
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def environment(device: torch.device) -> dict:
+    """Versions and hardware that the numbers depend on."""
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(terse=True),
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+    else:
+        env["device_name"] = platform.processor() or platform.machine()
+    return env
+
+
+def format_environment(env: dict) -> str:
+    """One line: ``torch 2.x | 2 threads | cpu (x86_64)``."""
+    return f"torch {env['torch']} | {env['threads']} threads | {env['device']} ({env['device_name']})"
+
+
+def time_calls(fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each function, measured in rounds that interleave the functions.
+
+    Each function is called ``warmup`` times untimed; then, ``repeats`` times, every
+    function is timed once in turn with ``torch.utils.benchmark.Timer`` (which
+    synchronises an accelerator and uses all of torch's threads here). Interleaving
+    means a change in the machine's load hits every function alike.
+    """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be a positive int")
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    timers = {
+        name: benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+        for name, fn in fns.items()
+    }
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, timer in timers.items():
+            times[name].append(timer.timeit(number=1).median)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) -> str:
+    """Rows as a plain-text table; ``columns`` are ``(key, header, format spec)``, e.g. ``("time_ms", "ms", ".2f")``.
+
+    A missing or ``None`` value prints as ``-``.
+    """
+    cells = [[header for _, header, _ in columns]]
+    for row in rows:
+        cells.append(["-" if row.get(key) is None else format(row[key], spec) for key, _, spec in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = []
+    for j, r in enumerate(cells):
+        # The first column (a name) is left-aligned, numbers right-aligned.
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path, payload: dict) -> Path:
+    """Write a benchmark's settings, environment and rows as JSON (directories created as needed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    return path
+
+
+def load_results(name_or_path: str | Path) -> dict:
+    """Read a results file: a path, or a benchmark name (``"mha"`` → ``results/bench_mha.json``)."""
+    path = Path(name_or_path)
+    if path.suffix != ".json":
+        path = RESULTS_DIR / f"bench_{str(name_or_path).replace('-', '_')}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no results at {path}; run `python -m attnlib.bench <name> --json {path}` first")
+    return json.loads(path.read_text())

@@ -1,0 +1,162 @@
+"""``python -m attnlib.bench kv-cache``: generation speed with and without the KV cache, and its bytes per token.
+
+Chapter 15 (the cache itself is chapter 08). A GPT-2-small-sized model (Radford et al.
+2019: 12 layers, 12 heads of 64, d_model 768, vocabulary 50,257, context 1024),
+untrained (speed does not depend on the weights), generates greedily from a short
+random prompt, once through :meth:`attnlib.GPT.generate` with ``use_cache=True`` and
+once with ``use_cache=False``, for each attention variant. The cache bytes per token
+are measured on the :class:`attnlib.cache.KVCache` tensors after the prompt, beside
+the formula ``kv_cache_size(config) · n_layers · bytes per number``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from attnlib.attention import ATTENTION_REGISTRY
+from attnlib.bench._common import format_table, resolve_device, time_calls
+from attnlib.bench._common import threads as using_threads
+from attnlib.cache import KVCache
+from attnlib.config import GPTConfig
+from attnlib.model import GPT
+
+__all__ = ["GPT2_SMALL", "SMALL", "VARIANTS", "format_kv_cache", "kv_cache_rows"]
+
+#: GPT-2 small's shape. GQA keeps 4 key/value heads (groups of 3 query heads); MLA's latent is
+#: attnlib's default d_model // 4 = 192 numbers (DeepSeek-V2 uses 4 · head_dim, which would be 256).
+GPT2_SMALL = GPTConfig(
+    vocab_size=50257, block_size=1024, n_layers=12, n_heads=12, d_model=768, n_kv_heads=4, kv_latent_dim=192
+)
+#: A small model for quick runs (``--small``): big enough that the cache already pays off.
+SMALL = GPTConfig(vocab_size=1024, block_size=256, n_layers=4, n_heads=8, d_model=256, n_kv_heads=2, kv_latent_dim=64)
+VARIANTS = ("mha", "gqa", "mqa", "mla")
+
+
+def _describe(config: GPTConfig) -> str:
+    if config.attention == "gqa":
+        return f"{config.n_kv_heads} kv heads"
+    if config.attention == "mqa":
+        return "1 kv head"
+    if config.attention == "mla":
+        return f"latent d_c={config.kv_latent_dim}"
+    return f"{config.n_heads} kv heads"
+
+
+def kv_cache_rows(
+    variants: tuple[str, ...] | list[str] = VARIANTS,
+    tokens: int = 200,
+    prompt_len: int = 8,
+    config: GPTConfig | None = None,
+    batch: int = 1,
+    device: str | torch.device | None = None,
+    repeats: int = 3,
+    warmup_tokens: int = 4,
+    seed: int = 0,
+    threads: int | None = None,
+) -> list[dict]:
+    """Tokens per second with and without the cache, and the cache's bytes per token, per variant.
+
+    Args:
+        variants: names in :data:`attnlib.attention.ATTENTION_REGISTRY`.
+        tokens: new tokens per generation (greedy, ``temperature=0``).
+        prompt_len: length of the random prompt.
+        config: the model's shape (default :data:`GPT2_SMALL`); ``attention`` is set per variant.
+        batch: sequences generated at once.
+        device: where to run (``None``: :func:`attnlib.device`).
+        repeats: timed generations per setting (the median is reported).
+        warmup_tokens: a short untimed generation first, with and without the cache.
+        seed: for the weights and the prompt.
+        threads: ``torch.set_num_threads`` for the run (``None``: as it is).
+
+    Returns:
+        Dicts with ``variant, kv_heads`` (a description), ``parameters``,
+        ``numbers_per_token_layer`` (``kv_cache_size``), ``bytes_per_token`` (measured on the
+        cache tensors), ``bytes_per_token_formula``, ``cached_tokens_per_s``,
+        ``uncached_tokens_per_s``, ``speedup`` (cached / uncached) and ``same_tokens``
+        (whether both generations agree).
+    """
+    with using_threads(threads):
+        return _kv_cache_rows(variants, tokens, prompt_len, config, batch, device, repeats, warmup_tokens, seed)
+
+
+def _kv_cache_rows(variants, tokens, prompt_len, config, batch, device, repeats, warmup_tokens, seed):
+    device = resolve_device(device)
+    config = GPT2_SMALL if config is None else config
+    rows = []
+    for variant in variants:
+        if variant not in ATTENTION_REGISTRY:
+            raise ValueError(f"unknown variant {variant!r}; choose from {sorted(ATTENTION_REGISTRY)}")
+        cfg = dataclasses.replace(config, attention=variant)
+        torch.manual_seed(seed)
+        model = GPT(cfg).to(device).eval()
+        g = torch.Generator().manual_seed(seed)
+        prompt = torch.randint(cfg.vocab_size, (batch, prompt_len), generator=g).to(device)
+
+        cache = KVCache.for_model(model)
+        with torch.no_grad():
+            model(prompt, cache=cache)  # prefill: the cache now holds the prompt
+        element_size = next(model.parameters()).element_size()
+        formula = ATTENTION_REGISTRY[variant].kv_cache_size(cfg) * cfg.n_layers * element_size
+
+        def generate(use_cache: bool, n: int = tokens, model=model, prompt=prompt):
+            return model.generate(prompt, n, temperature=0.0, use_cache=use_cache)
+
+        if warmup_tokens:
+            generate(True, warmup_tokens)
+            generate(False, warmup_tokens)
+        outputs = {}
+
+        def run(use_cache: bool, generate=generate, outputs=outputs):
+            outputs[use_cache] = generate(use_cache)  # kept to check that both paths give the same tokens
+
+        seconds = time_calls({"cached": lambda: run(True), "uncached": lambda: run(False)}, repeats, warmup=0)
+        same = torch.equal(outputs[True], outputs[False])
+        rows.append(
+            dict(
+                variant=variant,
+                kv_heads=_describe(cfg),
+                parameters=model.num_parameters(),
+                numbers_per_token_layer=ATTENTION_REGISTRY[variant].kv_cache_size(cfg),
+                bytes_per_token=cache.bytes_per_token() // batch,
+                bytes_per_token_formula=formula,
+                cached_tokens_per_s=batch * tokens / seconds["cached"],
+                uncached_tokens_per_s=batch * tokens / seconds["uncached"],
+                speedup=seconds["uncached"] / seconds["cached"],
+                same_tokens=same,
+            )
+        )
+    return rows
+
+
+COLUMNS = [
+    ("variant", "variant", "s"),
+    ("kv_heads", "keeps", "s"),
+    ("numbers_per_token_layer", "numbers/token/layer", "d"),
+    ("bytes_per_token", "cache B/token", ",d"),
+    ("bytes_per_token_formula", "formula", ",d"),
+    ("cached_tokens_per_s", "cached tok/s", ",.1f"),
+    ("uncached_tokens_per_s", "uncached tok/s", ",.1f"),
+    ("speedup", "cached/uncached", ".1f"),
+    ("same_tokens", "same tokens", ""),
+]
+
+
+def format_kv_cache(rows: list[dict], settings: dict | None = None) -> str:
+    """The table and how it was measured."""
+    parts = []
+    if settings:
+        c = settings["config"]
+        parts.append(
+            f"GPT (untrained): {c['n_layers']} layers, {c['n_heads']} heads, d_model {c['d_model']}, vocabulary "
+            f"{c['vocab_size']}, block {c['block_size']}; batch {settings['batch']}, prompt of {settings['prompt_len']} "
+            f"random tokens, {settings['tokens']} new tokens, greedy; median of {settings['repeats']} runs."
+        )
+    parts.append(
+        "cache B/token: measured on the KVCache tensors after the prompt (all layers, one sequence); "
+        "formula: kv_cache_size(config) x n_layers x bytes per number."
+    )
+    parts.append(format_table(rows, COLUMNS))
+    worst = min(row["speedup"] for row in rows)
+    parts.append(f"\nThe cache speeds generation up by at least {worst:.1f}x here.")
+    return "\n".join(parts)

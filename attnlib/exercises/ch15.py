@@ -1,0 +1,206 @@
+"""Exercise checks for chapter 15 (fast attention).
+
+* 15.1 ``check_online_softmax_stats``: ``online_softmax_stats(blocks)`` reads score blocks
+  ``(rows, n_j)`` once, in order, and returns the row max ``m`` and ``l = Σ exp(x - m)``,
+  each ``(rows,)``; checked against the whole row, with huge scores and masked (``-inf``) blocks.
+* 15.2 ``check_longest_context``: ``longest_context(budget_bytes, B, n_heads, dtype)``, the
+  largest ``T`` whose ``(B, n_heads, T, T)`` scores fit in ``budget_bytes``; checked exactly.
+* 15.3 ``check_causal_tile_kind``: ``causal_tile_kind(q_start, q_end, k_start, k_end, T_q, T_k)``
+  says whether a tile of the bottom-right causal mask is ``"skip"`` (all masked), ``"full"``
+  (all visible) or ``"partial"``; checked against :func:`attnlib.functional.causal_mask`.
+
+The graders draw their random inputs from a local ``torch.Generator``; ``grade`` runs them
+inside ``torch.random.fork_rng``, so checking an answer never changes the notebook's global
+random state.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attnlib.exercises._core import exercise, expect
+from attnlib.functional import causal_mask
+
+__all__ = ["check_online_softmax_stats", "check_longest_context", "check_causal_tile_kind"]
+
+
+# ---------------------------------------------------------------- 15.1
+class _OnePass:
+    """The blocks of a score matrix, handed out once, in order (a second pass finds nothing)."""
+
+    def __init__(self, x: torch.Tensor, widths: list[int]) -> None:
+        self.blocks = list(x.split(widths, dim=-1))
+        self.passes = 0
+
+    def __iter__(self):
+        self.passes += 1
+        return iter(self.blocks if self.passes == 1 else ())
+
+
+def _stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m = x.amax(dim=-1)
+    shift = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    return m, torch.exp(x - shift[:, None]).sum(dim=-1)
+
+
+def _softmax_cases(g: torch.Generator) -> list[tuple[str, torch.Tensor, list[int]]]:
+    plain = torch.randn(3, 10, generator=g)
+    huge = torch.randn(2, 12, generator=g) * 400  # exp(400) overflows float32
+    huge[0, 11] = 1000.0  # the largest score comes last: the sum so far must be rescaled
+    masked = torch.randn(4, 9, generator=g)
+    masked[0, :4] = float("-inf")  # a whole first block masked (as in causal attention)
+    masked[1, 3:] = float("-inf")
+    masked[2] = float("-inf")  # a row with nothing to attend to
+    growing = torch.arange(12.0).repeat(2, 1)  # every block holds a new maximum
+    growing[1] = growing[1].flip(0)
+    return [
+        ("random scores, blocks of 4, 4, 2", plain, [4, 4, 2]),
+        ("random scores, blocks of 1", plain, [1] * 10),
+        ("growing and shrinking rows, blocks of 5, 7", growing, [5, 7]),
+        ("scores in the hundreds, blocks of 5, 5, 2", huge, [5, 5, 2]),
+        ("masked scores (-inf), blocks of 4, 3, 2", masked, [4, 3, 2]),
+    ]
+
+
+@exercise("15.1")
+def check_online_softmax_stats(online_softmax_stats) -> None:
+    """Check ``online_softmax_stats(blocks) -> (m, l)`` against the max and the sum of ``exp(x - m)`` of whole rows."""
+    g = torch.Generator().manual_seed(1501)
+    for what, x, widths in _softmax_cases(g):
+        blocks = _OnePass(x, widths)
+        got = online_softmax_stats(blocks)
+        if got is None:
+            raise NotImplementedError("return the pair (m, l), not None")
+        expect(
+            blocks.passes <= 1,
+            f"{what}: you iterated over the blocks {blocks.passes} times. They arrive once, as from a stream (in "
+            "attention, each block of scores is computed, used and dropped): keep a running max and a running sum",
+        )
+        expect(isinstance(got, (tuple, list)) and len(got) == 2, f"return a pair (m, l); got {type(got).__name__}")
+        m, denom = got
+        for name, t in (("m", m), ("l", denom)):
+            expect(isinstance(t, torch.Tensor), f"{what}: {name} should be a torch.Tensor, got {type(t).__name__}")
+            expect(tuple(t.shape) == (x.shape[0],), f"{what}: {name} has shape {tuple(t.shape)}, expected ({x.shape[0]},)")
+        m_ref, l_ref = _stats(x)
+        expect(
+            not torch.isnan(m).any() and not torch.isnan(denom).any(),
+            f"{what}: your m or l holds NaN. While a row has seen only -inf, m is -inf and exp(-inf - (-inf)) is "
+            "NaN: subtract 0 instead of m in that case (torch.where), so that l stays 0",
+        )
+        expect(
+            torch.equal(m.to(m_ref.dtype), m_ref),
+            f"{what}: m should be each row's largest score {m_ref.tolist()}; got {m.tolist()}",
+        )
+        expect(
+            torch.isfinite(denom).all(),
+            f"{what}: l overflowed to inf. Sum exp(x - m) with m the running max, never exp(x) itself",
+        )
+        if not torch.allclose(denom.double(), l_ref.double(), rtol=1e-5, atol=1e-6):
+            hint = (
+                "when a block raises the running max from m to m', the sum so far was taken against m: multiply "
+                "it by exp(m - m') before adding the block's exp(x - m')"
+            )
+            expect(False, f"{what}: l should be {[round(v, 4) for v in l_ref.tolist()]}; got "
+                          f"{[round(v, 4) for v in denom.tolist()]}: {hint}")
+
+
+# ---------------------------------------------------------------- 15.2
+_BUDGET_CASES = [  # (budget_bytes, B, n_heads, dtype)
+    (80 * 2**30, 1, 32, torch.bfloat16),  # an 80 GiB accelerator, one sequence, 32 heads
+    (24 * 2**30, 8, 12, torch.float32),
+    (2**20, 1, 1, torch.float32),  # exactly 512 x 512 float32 scores
+    (2**20 - 1, 1, 1, torch.float32),  # one byte short of that
+    (12 * 1024 * 1024 * 4, 1, 12, torch.float32),  # exactly T = 1024
+    (3, 1, 1, torch.float32),  # not even one score
+    (10**9, 3, 5, torch.float16),
+    (7 * 2**30 + 12345, 2, 16, torch.float64),
+]
+
+
+def _longest(budget: int, B: int, n_heads: int, dtype: torch.dtype) -> int:
+    per_score = B * n_heads * torch.empty((), dtype=dtype).element_size()
+    return math.isqrt(budget // per_score)  # T^2 * per_score <= budget  <=>  T^2 <= budget // per_score
+
+
+@exercise("15.2")
+def check_longest_context(longest_context) -> None:
+    """Check ``longest_context(budget_bytes, B, n_heads, dtype) -> int`` exactly, boundaries included."""
+    for budget, B, n_heads, dtype in _BUDGET_CASES:
+        got = longest_context(budget, B, n_heads, dtype)
+        if got is None:
+            raise NotImplementedError("return the longest T as an int, not None")
+        expect(
+            isinstance(got, int) and not isinstance(got, bool),
+            f"return a Python int; got {type(got).__name__} (use int(...) or math.isqrt)",
+        )
+        expected = _longest(budget, B, n_heads, dtype)
+        case = f"longest_context(budget_bytes={budget:,}, B={B}, n_heads={n_heads}, {dtype}) = {got:,}"
+        if got == expected:
+            continue
+        size = torch.empty((), dtype=dtype).element_size()
+        expect(got != _longest(budget // 8, B, n_heads, dtype),
+               f"{case}, expected {expected:,}: you counted bits; a {dtype} number takes {size} bytes")
+        expect(got != math.isqrt(budget // (B * size)),
+               f"{case}, expected {expected:,}: every one of the n_heads={n_heads} heads has its own T x T scores")
+        expect(got != math.isqrt(budget // (n_heads * size)),
+               f"{case}, expected {expected:,}: every one of the B={B} sequences has its own scores")
+        used = B * n_heads * got * got * size
+        expect(used <= budget, f"{case}: {got} x {got} scores take {used:,} bytes, more than the budget: round down")
+        expect(False, f"{case}, expected {expected:,}: the largest T with B x n_heads x T x T x bytes <= budget_bytes "
+                      "(one more would not fit)")
+
+
+# ---------------------------------------------------------------- 15.3
+_TILE_CASES = [  # (T_q, T_k, block_size_q, block_size_k)
+    (8, 8, 4, 4),
+    (10, 10, 3, 4),
+    (7, 12, 4, 3),  # fewer queries than keys: the last queries of a sequence, after a cache
+    (1, 9, 1, 2),  # one decoding step
+    (12, 12, 5, 2),
+    (5, 20, 2, 6),
+]
+
+
+def _kind(visible: torch.Tensor) -> str:
+    if not visible.any():
+        return "skip"
+    return "full" if visible.all() else "partial"
+
+
+@exercise("15.3")
+def check_causal_tile_kind(causal_tile_kind) -> None:
+    """Check ``causal_tile_kind(q_start, q_end, k_start, k_end, T_q, T_k)`` on every tile of several masks."""
+    for T_q, T_k, bq, bk in _TILE_CASES:
+        mask = causal_mask(T_q, T_k)
+        top_left = torch.ones(T_q, T_k, dtype=torch.bool).tril()
+        for q_start in range(0, T_q, bq):
+            q_end = min(q_start + bq, T_q)
+            for k_start in range(0, T_k, bk):
+                k_end = min(k_start + bk, T_k)
+                got = causal_tile_kind(q_start, q_end, k_start, k_end, T_q, T_k)
+                if got is None:
+                    raise NotImplementedError('return "skip", "full" or "partial", not None')
+                expect(got in ("skip", "full", "partial"), f'return "skip", "full" or "partial"; got {got!r}')
+                expected = _kind(mask[q_start:q_end, k_start:k_end])
+                if got == expected:
+                    continue
+                case = (f"causal_tile_kind(q_start={q_start}, q_end={q_end}, k_start={k_start}, k_end={k_end}, "
+                        f"T_q={T_q}, T_k={T_k}) = {got!r}, expected {expected!r}")
+                expect(
+                    T_q == T_k or got != _kind(top_left[q_start:q_end, k_start:k_end]),
+                    f"{case}: you aligned the mask top-left. The queries are the last T_q positions: query i sits "
+                    "at position T_k - T_q + i",
+                )
+                expect(
+                    expected != "skip" or got != "partial",
+                    f"{case}: every key of this tile comes after the last query of the tile (position "
+                    f"T_k - T_q + q_end - 1 = {T_k - T_q + q_end - 1}): nothing is visible",
+                )
+                expect(
+                    expected != "partial",
+                    f"{case}: the tile crosses the diagonal: some of its keys are visible to some queries, not all. "
+                    "q_end and k_end are exclusive: the last query is q_end - 1, the last key k_end - 1",
+                )
+                expect(False, f"{case}. Key j is visible to query i when j <= T_k - T_q + i; q_end and k_end are "
+                              "exclusive")

@@ -1,0 +1,200 @@
+"""The chapter 15 exercise checks: a reference answer is correct, a plausible mistake is wrong, a stub is not solved."""
+import math
+
+import pytest
+import torch
+
+from attnlib.exercises import CORRECT, NOT_SOLVED, WRONG, ch15, grade  # noqa: F401  (ch15 registers the 15.x graders)
+
+
+# ---------------------------------------------------------------- 15.1
+def online_softmax_stats(blocks):
+    m = denom = None
+    for block in blocks:
+        if m is None:
+            m = torch.full(block.shape[:-1], float("-inf"))
+            denom = torch.zeros(block.shape[:-1])
+        m_new = torch.maximum(m, block.amax(dim=-1))
+        shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        denom = denom * torch.exp(m - shift) + torch.exp(block - shift[:, None]).sum(dim=-1)
+        m = m_new
+    return m, denom
+
+
+def online_softmax_stats_library(blocks):  # attnlib's update, keepdim shapes squeezed at the end
+    from attnlib.attention.tiled import online_softmax_update
+
+    m = denom = None
+    for block in blocks:
+        if m is None:
+            m = torch.full((block.shape[0], 1), float("-inf"))
+            denom = torch.zeros(block.shape[0], 1)
+        m, denom = online_softmax_update(m, denom, block)
+    return m[:, 0], denom[:, 0]
+
+
+def online_softmax_stats_no_rescale(blocks):  # forgets to rescale the old sum when the max grows
+    m = denom = None
+    for block in blocks:
+        if m is None:
+            m = torch.full(block.shape[:-1], float("-inf"))
+            denom = torch.zeros(block.shape[:-1])
+        m_new = torch.maximum(m, block.amax(dim=-1))
+        shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        denom = denom + torch.exp(block - shift[:, None]).sum(dim=-1)
+        m = m_new
+    return m, denom
+
+
+def online_softmax_stats_nan(blocks):  # no guard: a leading all -inf block gives exp(-inf - (-inf)) = NaN
+    m = denom = None
+    for block in blocks:
+        if m is None:
+            m = torch.full(block.shape[:-1], float("-inf"))
+            denom = torch.zeros(block.shape[:-1])
+        m_new = torch.maximum(m, block.amax(dim=-1))
+        denom = denom * torch.exp(m - m_new) + torch.exp(block - m_new[:, None]).sum(dim=-1)
+        m = m_new
+    return m, denom
+
+
+def online_softmax_stats_no_max(blocks):  # sums exp(x) itself: overflows for large scores
+    m = denom = None
+    for block in blocks:
+        m = block.amax(dim=-1) if m is None else torch.maximum(m, block.amax(dim=-1))
+        denom = torch.exp(block).sum(dim=-1) if denom is None else denom + torch.exp(block).sum(dim=-1)
+    return m, torch.exp(torch.log(denom) - torch.where(torch.isinf(m), torch.zeros_like(m), m))
+
+
+def online_softmax_stats_two_passes(blocks):  # the max first, then the sum: reads the blocks twice
+    m = torch.stack([b.amax(dim=-1) for b in blocks], dim=-1).amax(dim=-1)
+    shift = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    denom = sum(torch.exp(b - shift[:, None]).sum(dim=-1) for b in blocks)
+    return m, denom
+
+
+def online_softmax_stats_keepdim(blocks):  # (rows, 1) instead of (rows,)
+    m, denom = online_softmax_stats(blocks)
+    return m[:, None], denom[:, None]
+
+
+def online_softmax_stats_stub(blocks):
+    raise NotImplementedError("keep a running max m and a running sum l; rescale l when m grows")
+
+
+# ---------------------------------------------------------------- 15.2
+def longest_context(budget_bytes, B, n_heads, dtype):
+    per_score = B * n_heads * dtype.itemsize
+    return math.isqrt(budget_bytes // per_score)
+
+
+def longest_context_float(budget_bytes, B, n_heads, dtype):  # float square root, rounded down: fine at these sizes
+    return int(math.sqrt(budget_bytes / (B * n_heads * dtype.itemsize)))
+
+
+def longest_context_bits(budget_bytes, B, n_heads, dtype):
+    return math.isqrt(budget_bytes // (B * n_heads * torch.finfo(dtype).bits))
+
+
+def longest_context_no_heads(budget_bytes, B, n_heads, dtype):
+    return math.isqrt(budget_bytes // (B * dtype.itemsize))
+
+
+def longest_context_no_batch(budget_bytes, B, n_heads, dtype):
+    return math.isqrt(budget_bytes // (n_heads * dtype.itemsize))
+
+
+def longest_context_rounded(budget_bytes, B, n_heads, dtype):
+    return round(math.sqrt(budget_bytes / (B * n_heads * dtype.itemsize)))
+
+
+def longest_context_returns_float(budget_bytes, B, n_heads, dtype):
+    return math.sqrt(budget_bytes / (B * n_heads * dtype.itemsize)) // 1
+
+
+def longest_context_stub(budget_bytes, B, n_heads, dtype):
+    raise NotImplementedError("solve B * n_heads * T * T * bytes <= budget for the largest integer T")
+
+
+# ---------------------------------------------------------------- 15.3
+def causal_tile_kind(q_start, q_end, k_start, k_end, T_q, T_k):
+    offset = T_k - T_q  # query i sits at position offset + i
+    if k_start > offset + q_end - 1:  # the first key comes after the last query
+        return "skip"
+    if k_end - 1 <= offset + q_start:  # the last key is visible to the first query
+        return "full"
+    return "partial"
+
+
+def causal_tile_kind_top_left(q_start, q_end, k_start, k_end, T_q, T_k):
+    return causal_tile_kind(q_start, q_end, k_start, k_end, T_q, T_q)
+
+
+def causal_tile_kind_exclusive_end(q_start, q_end, k_start, k_end, T_q, T_k):  # q_end used as the last query
+    offset = T_k - T_q
+    if k_start > offset + q_end:
+        return "skip"
+    if k_end - 1 <= offset + q_start:
+        return "full"
+    return "partial"
+
+
+def causal_tile_kind_never_full(q_start, q_end, k_start, k_end, T_q, T_k):
+    return "skip" if k_start > T_k - T_q + q_end - 1 else "partial"
+
+
+def causal_tile_kind_stub(q_start, q_end, k_start, k_end, T_q, T_k):
+    raise NotImplementedError("compare the first and last key with the first and last query's positions")
+
+
+REFERENCE = [("15.1", online_softmax_stats), ("15.2", longest_context), ("15.3", causal_tile_kind)]
+
+
+@pytest.mark.parametrize(
+    "exercise_id, answer",
+    REFERENCE + [("15.1", online_softmax_stats_library), ("15.2", longest_context_float)],
+)
+def test_reference_answer_is_correct(exercise_id, answer):
+    verdict = grade(exercise_id, answer)
+    assert verdict.status == CORRECT, str(verdict)
+
+
+@pytest.mark.parametrize(
+    "exercise_id, answer, hint",
+    [
+        ("15.1", online_softmax_stats_no_rescale, "exp(m - m')"),
+        ("15.1", online_softmax_stats_nan, "NaN"),
+        ("15.1", online_softmax_stats_no_max, "overflowed"),
+        ("15.1", online_softmax_stats_two_passes, "iterated over the blocks 2 times"),
+        ("15.1", online_softmax_stats_keepdim, "expected (3,)"),
+        ("15.2", longest_context_bits, "bits"),
+        ("15.2", longest_context_no_heads, "n_heads"),
+        ("15.2", longest_context_no_batch, "sequences"),
+        ("15.2", longest_context_rounded, "round down"),
+        ("15.2", longest_context_returns_float, "Python int"),
+        ("15.3", causal_tile_kind_top_left, "top-left"),
+        ("15.3", causal_tile_kind_exclusive_end, "nothing is visible"),
+        ("15.3", causal_tile_kind_never_full, "expected 'full'"),
+    ],
+)
+def test_plausible_mistake_is_wrong(exercise_id, answer, hint):
+    verdict = grade(exercise_id, answer)
+    assert verdict.status == WRONG, str(verdict)
+    assert hint in verdict.detail, str(verdict)
+
+
+@pytest.mark.parametrize(
+    "exercise_id, answer",
+    [("15.1", online_softmax_stats_stub), ("15.2", longest_context_stub), ("15.3", causal_tile_kind_stub),
+     ("15.3", None)],
+)
+def test_stub_is_not_solved(exercise_id, answer):
+    assert grade(exercise_id, answer).status == NOT_SOLVED
+
+
+def test_grading_leaves_the_global_rng_alone():
+    torch.manual_seed(0)
+    state = torch.random.get_rng_state()
+    for exercise_id, answer in REFERENCE:
+        grade(exercise_id, answer)
+    assert torch.equal(torch.random.get_rng_state(), state)
