@@ -10,8 +10,8 @@ from attnlib.attention.latent import MultiHeadLatentAttention
 from attnlib.attention.multi_head import BACKENDS, AttentionBase, CausalSelfAttention, MultiHeadAttention
 from attnlib.attention.talking_heads import BiasedTalkingHeadsAttention, TalkingHeadsAttention
 from attnlib.attention.target import TargetAttention
-from attnlib.attention.tiled import online_softmax, online_softmax_update, tiled_attention
 from attnlib.attention.teaching import CausalAttention, MultiHeadAttentionWrapper, SelfAttentionV1, SelfAttentionV2
+from attnlib.attention.tiled import online_softmax, online_softmax_update, tiled_attention
 
 ATTENTION_REGISTRY: dict[str, type[AttentionBase]] = {
     "mha": CausalSelfAttention,
@@ -39,4 +39,7 @@ __all__ = [
     "SelfAttentionV2",
     "TalkingHeadsAttention",
     "TargetAttention",
+    "online_softmax",
+    "online_softmax_update",
+    "tiled_attention",
 ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -90,6 +91,7 @@ def _machine() -> dict:
     except OSError:
         pass
     return {
+        "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "cpu": cpu,
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
@@ -187,6 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
     training = {"max_iters": args.max_iters, "eval_interval": args.eval_interval, "eval_iters": args.eval_iters}
     results = compare(variants, training, device=args.device)
     results["meta"]["command"] = "python -m attnlib.experiments.compare_attention " + " ".join(argv or sys.argv[1:])
+    results["meta"]["load_average_1min_at_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     print(format_table(results))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
