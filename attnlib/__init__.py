@@ -20,6 +20,9 @@ from attnlib.attention import (
 )
 from attnlib.config import GPTConfig
 from attnlib.model import GPT
+from attnlib.norms import LayerNorm, RMSNorm
+from attnlib.positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
+from attnlib.transformer import DecoderLayer, EncoderLayer, FeedForward, Transformer
 
 __version__ = "0.1.0"
 
@@ -27,16 +30,25 @@ __all__ = [
     "ATTENTION_REGISTRY",
     "CausalAttention",
     "CausalSelfAttention",
+    "DecoderLayer",
+    "EncoderLayer",
+    "FeedForward",
     "GPT",
     "GPTConfig",
     "GroupedQueryAttention",
+    "LayerNorm",
+    "LearnedPositionalEmbedding",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
     "MultiHeadLatentAttention",
     "MultiQueryAttention",
+    "RMSNorm",
+    "RotaryEmbedding",
     "SelfAttentionV1",
     "SelfAttentionV2",
+    "SinusoidalPositionalEncoding",
     "TalkingHeadsAttention",
+    "Transformer",
     "attention",
     "data",
     "device",

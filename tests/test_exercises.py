@@ -15,7 +15,7 @@ def crashes(*args, **kwargs):
 
 def test_every_chapter_registers_exercises():
     chapters = {exercise_id.split(".")[0] for exercise_id in EXERCISES}
-    assert chapters == {"01", "02", "03", "04", "12"}
+    assert chapters == {"01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13", "14", "15"}
 
 
 @pytest.mark.parametrize("exercise_id", sorted(EXERCISES))

@@ -132,7 +132,7 @@ def compare(
     results = {"meta": _machine(), "model": asdict(model_cfg), "training": asdict(train_cfg), "variants": {}}
     results["meta"]["device"] = str(train_cfg.device or attnlib.device())
     for variant in variants:
-        torch.manual_seed(train_cfg.seed)  # the same initial weights where the shapes agree
+        torch.manual_seed(train_cfg.seed)  # same seed: identical initial weights where all shapes agree (mha, talking heads)
         gpt = build_model(variant, model_cfg)
         attn_cls = type(gpt.blocks[0].attn)
         if progress:

@@ -1,0 +1,81 @@
+"""Normalisation layers written out: LayerNorm (Ba et al. 2016) and RMSNorm (Zhang & Sennrich 2019). Chapter 10.
+
+Both are equal to PyTorch's ``nn.LayerNorm`` / ``nn.RMSNorm`` (the tests check it); they are
+here so the formula is on the page.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attnlib._checks import float_input, positive_int
+
+__all__ = ["LayerNorm", "RMSNorm"]
+
+
+def _eps(eps: float) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"eps={eps!r} must be a number >= 0")
+
+
+class LayerNorm(nn.Module):
+    """``(x - mean(x)) / sqrt(var(x) + eps) · γ + β`` over the last dimension (Ba et al. 2016).
+
+    ``var`` is the biased (population) variance, as in ``nn.LayerNorm``.
+
+    Args:
+        d: size of the last dimension.
+        eps: added to the variance.
+        bias: learn ``β`` (``nn.LayerNorm(..., bias=True)``).
+
+    Shapes:
+        ``(…, d)`` → ``(…, d)``.
+
+    Raises:
+        ValueError / TypeError: a bad ``d`` or ``eps``; an input whose last dimension is not ``d``.
+    """
+
+    def __init__(self, d: int, eps: float = 1e-5, bias: bool = True) -> None:
+        super().__init__()
+        positive_int("d", d)
+        _eps(eps)
+        self.d, self.eps = d, eps
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        float_input(x if x.dim() > 1 else x[None], self.d)
+        mean = x.mean(dim=-1, keepdim=True)  # (..., 1)
+        var = (x - mean).pow(2).mean(dim=-1, keepdim=True)  # (..., 1), biased
+        y = (x - mean) * torch.rsqrt(var + self.eps) * self.weight
+        return y + self.bias if self.bias is not None else y
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x²) + eps) · γ`` over the last dimension (Zhang & Sennrich 2019, eq. 4).
+
+    No centring and no ``β``: the input is only rescaled to unit root mean square.
+    Note the square root is over ``mean(x²) + eps``; writing ``x / sqrt(RMS(x) + eps)``
+    (the root taken twice) is a common slip that leaves outputs of the wrong scale.
+
+    Args:
+        d: size of the last dimension.
+        eps: added to ``mean(x²)``; ``nn.RMSNorm(d, eps=1e-6)`` is the same layer.
+
+    Shapes:
+        ``(…, d)`` → ``(…, d)``.
+
+    Raises:
+        ValueError / TypeError: a bad ``d`` or ``eps``; an input whose last dimension is not ``d``.
+    """
+
+    def __init__(self, d: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        positive_int("d", d)
+        _eps(eps)
+        self.d, self.eps = d, eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        float_input(x if x.dim() > 1 else x[None], self.d)
+        return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.weight

@@ -1,0 +1,177 @@
+"""Positional information for attention, which on its own is blind to order. Chapter 10.
+
+Three ways to tell a layer where a token is:
+
+- :func:`sinusoidal_encoding` / :class:`SinusoidalPositionalEncoding`: a fixed table of
+  sines and cosines added to the token embeddings (Vaswani et al. 2017, §3.5);
+- :class:`LearnedPositionalEmbedding`: one trained vector per position (as in GPT-2);
+- :class:`RotaryEmbedding` (RoPE, Su et al. 2021): queries and keys are rotated by an angle
+  proportional to their position, so that their dot product depends only on the offset
+  between the two positions.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from attnlib._checks import float_input, positive_int
+
+__all__ = ["LearnedPositionalEmbedding", "RotaryEmbedding", "SinusoidalPositionalEncoding", "sinusoidal_encoding"]
+
+
+def _even(name: str, value: int) -> None:
+    positive_int(name, value)
+    if value % 2:
+        raise ValueError(f"{name}={value} must be even (dimensions are used in pairs)")
+
+
+def sinusoidal_encoding(T: int, d_model: int, base: float = 10000.0) -> torch.Tensor:
+    """The sinusoidal position table of Vaswani et al. 2017, §3.5.
+
+    ``PE[pos, 2i] = sin(pos / base^(2i / d_model))`` and ``PE[pos, 2i+1] = cos(pos / base^(2i / d_model))``:
+    pair ``i`` turns at frequency ``base^(-2i/d_model)``, from one radian per position (i = 0)
+    down to about ``1 / base``.
+
+    Args:
+        T: number of positions (>= 1).
+        d_model: width (even).
+        base: the wavelength scale (10000 in the paper).
+
+    Returns:
+        ``(T, d_model)`` float32 tensor.
+
+    Raises:
+        TypeError / ValueError: ``T`` not a positive int, ``d_model`` not a positive even int.
+    """
+    positive_int("T", T)
+    _even("d_model", d_model)
+    position = torch.arange(T, dtype=torch.float32)[:, None]  # (T, 1)
+    freq = torch.exp(-math.log(base) * torch.arange(0, d_model, 2, dtype=torch.float32) / d_model)  # (d_model/2,)
+    angle = position * freq  # (T, 1) * (d_model/2,) -> (T, d_model/2)
+    pe = torch.empty(T, d_model)
+    pe[:, 0::2] = torch.sin(angle)
+    pe[:, 1::2] = torch.cos(angle)
+    return pe
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """Adds the fixed :func:`sinusoidal_encoding` table to its input. No parameters.
+
+    Args:
+        d_model: width (even).
+        max_len: longest sequence accepted.
+
+    Shapes:
+        ``forward(x (B, T, d_model))`` → ``(B, T, d_model)``, ``x + PE[:T]``.
+
+    Raises:
+        ValueError: ``T > max_len`` or a wrong width.
+    """
+
+    def __init__(self, d_model: int, max_len: int) -> None:
+        super().__init__()
+        positive_int("max_len", max_len)
+        self.d_model, self.max_len = d_model, max_len
+        self.register_buffer("pe", sinusoidal_encoding(max_len, d_model), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x + PE[:T]`` for ``x`` of shape ``(B, T, d_model)``."""
+        float_input(x, self.d_model, self.max_len)
+        return x + self.pe[: x.shape[-2]].to(x.dtype)  # (T, d_model) broadcast over B
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """Adds a trained vector per position, ``x + P[:T]`` (``P`` an ``nn.Embedding(max_len, d_model)``).
+
+    Args:
+        max_len: number of positions (the longest sequence accepted).
+        d_model: width.
+
+    Shapes:
+        ``forward(x (B, T, d_model))`` → ``(B, T, d_model)``.
+
+    Raises:
+        ValueError: ``T > max_len`` or a wrong width.
+    """
+
+    def __init__(self, max_len: int, d_model: int) -> None:
+        super().__init__()
+        positive_int("max_len", max_len)
+        positive_int("d_model", d_model)
+        self.d_model, self.max_len = d_model, max_len
+        self.weight = nn.Embedding(max_len, d_model)
+        nn.init.normal_(self.weight.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x + P[:T]`` for ``x`` of shape ``(B, T, d_model)``."""
+        float_input(x, self.d_model, self.max_len)
+        positions = torch.arange(x.shape[-2], device=x.device)
+        return x + self.weight(positions)  # (T, d_model) broadcast over B
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (RoPE, Su et al. 2021, §3.4), applied to queries and keys.
+
+    The ``head_dim`` numbers of a head are taken in ``head_dim / 2`` pairs; pair ``i`` at
+    position ``m`` is rotated by the angle ``m · θ_i`` with ``θ_i = base^(-2i / head_dim)``.
+    A rotation by ``mθ`` of the query and by ``nθ`` of the key leaves their dot product a
+    function of ``m - n`` only, so attention scores see relative offsets.
+
+    Pairing: **half-split**, the convention of LLaMA and Hugging Face ``transformers``
+    (``rotate_half``): pair ``i`` is ``(x[i], x[i + head_dim/2])``. The RoFormer paper writes
+    the *interleaved* pairing ``(x[2i], x[2i+1])``; the two are the same rotation up to a
+    fixed permutation of the head's dimensions, but weights trained with one do not work
+    with the other.
+
+    Args:
+        head_dim: size of one head (even).
+        base: the wavelength scale (10000 as in the paper and LLaMA).
+
+    Raises:
+        TypeError / ValueError: ``head_dim`` not a positive even int, ``base <= 1``.
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        _even("head_dim", head_dim)
+        if not isinstance(base, (int, float)) or isinstance(base, bool) or base <= 1:
+            raise ValueError(f"base={base!r} must be a number > 1")
+        self.head_dim, self.base = head_dim, float(base)
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (head_dim/2,)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """Rotation angles ``(…, T, head_dim / 2)`` for integer or float ``positions`` of shape ``(…, T)``."""
+        return positions.to(torch.float32)[..., None] * self.inv_freq  # (..., T, 1) * (hd/2,) -> (..., T, hd/2)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate ``x`` by its positions.
+
+        Args:
+            x: ``(…, T, head_dim)`` float, e.g. queries ``(B, n_heads, T, head_dim)``.
+            positions: ``(T,)`` (or broadcastable to ``x.shape[:-1]``) positions; default
+                ``0, 1, …, T-1``. During cached decoding pass the absolute positions of the new tokens.
+
+        Returns:
+            a tensor like ``x``.
+
+        Raises:
+            TypeError / ValueError: ``x`` not float, last dimension not ``head_dim``, positions of the wrong length.
+        """
+        float_input(x, self.head_dim)
+        T = x.shape[-2]
+        if positions is None:
+            positions = torch.arange(T, device=x.device)
+        if not isinstance(positions, torch.Tensor) or positions.shape[-1] != T:
+            raise ValueError(f"positions must be a tensor whose last dimension is T={T}")
+        angle = self.angles(positions.to(x.device))  # (..., T, hd/2)
+        cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+        half = self.head_dim // 2
+        x1, x2 = x[..., :half], x[..., half:]  # half-split pairs (x1[i], x2[i])
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)  # rotate each pair by its angle
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Same as :meth:`apply`."""
+        return self.apply(x, positions)

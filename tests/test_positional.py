@@ -1,0 +1,81 @@
+"""Positional encodings (chapter 10): sinusoidal values, learned table, RoPE's relative-offset property."""
+import math
+
+import pytest
+import torch
+
+from attnlib.positional import (
+    LearnedPositionalEmbedding,
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+    sinusoidal_encoding,
+)
+
+
+def test_sinusoidal_formula_values():
+    pe = sinusoidal_encoding(50, 16)
+    assert pe.shape == (50, 16)
+    for pos in (0, 1, 7, 49):
+        for i in range(8):
+            angle = pos / 10000 ** (2 * i / 16)
+            assert pe[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-5)
+            assert pe[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-5)
+    assert torch.equal(pe[0, 0::2], torch.zeros(8)) and torch.equal(pe[0, 1::2], torch.ones(8))
+
+
+def test_sinusoidal_module_adds_table_and_checks_length():
+    layer = SinusoidalPositionalEncoding(8, max_len=10)
+    x = torch.randn(2, 6, 8)
+    torch.testing.assert_close(layer(x), x + sinusoidal_encoding(6, 8))
+    assert len(list(layer.parameters())) == 0
+    with pytest.raises(ValueError, match="block_size|exceeds"):
+        layer(torch.randn(1, 11, 8))
+    with pytest.raises(ValueError, match="even"):
+        sinusoidal_encoding(4, 7)
+
+
+def test_learned_embedding():
+    layer = LearnedPositionalEmbedding(10, 8)
+    x = torch.zeros(3, 4, 8)
+    torch.testing.assert_close(layer(x), layer.weight.weight[:4].expand(3, 4, 8))
+    with pytest.raises(ValueError):
+        layer(torch.zeros(1, 11, 8))
+
+
+def test_rope_scores_depend_only_on_offset():
+    rope = RotaryEmbedding(16)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(16, generator=g), torch.randn(16, generator=g)
+
+    def score(m, n):
+        qm = rope.apply(q[None, :], torch.tensor([m]))
+        kn = rope.apply(k[None, :], torch.tensor([n]))
+        return (qm * kn).sum().item()
+
+    for m, n, s in [(3, 1, 5), (0, 7, 20), (10, 10, 33)]:
+        assert score(m, n) == pytest.approx(score(m + s, n + s), abs=1e-4)
+    assert abs(score(3, 1) - score(3, 2)) > 1e-3  # but it does depend on the offset
+
+
+def test_rope_is_a_rotation_and_half_split():
+    rope = RotaryEmbedding(8)
+    x = torch.randn(2, 3, 5, 8)
+    y = rope.apply(x)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+    torch.testing.assert_close(y[..., 0, :], x[..., 0, :])  # position 0: no rotation
+    # half-split pairing: pair 0 is (x[0], x[4]), rotated by 1 radian at position 1
+    v = torch.zeros(1, 2, 8)
+    v[0, 1, 0] = 1.0
+    out = rope.apply(v)
+    assert out[0, 1, 0].item() == pytest.approx(math.cos(1.0), abs=1e-6)
+    assert out[0, 1, 4].item() == pytest.approx(math.sin(1.0), abs=1e-6)
+
+
+def test_rope_errors():
+    with pytest.raises(ValueError, match="even"):
+        RotaryEmbedding(7)
+    rope = RotaryEmbedding(8)
+    with pytest.raises(ValueError):
+        rope.apply(torch.randn(2, 5, 6))
+    with pytest.raises(ValueError, match="positions"):
+        rope.apply(torch.randn(2, 5, 8), torch.arange(4))
