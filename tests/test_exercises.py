@@ -13,6 +13,11 @@ def crashes(*args, **kwargs):
     raise RuntimeError("boom")
 
 
+def draws_then_stops(*args, **kwargs):
+    torch.rand(5)  # a learner's answer that samples from the global generator
+    raise NotImplementedError("half done")
+
+
 def test_every_chapter_registers_exercises():
     chapters = {exercise_id.split(".")[0] for exercise_id in EXERCISES}
     assert chapters == {"01", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11", "12", "13", "14", "15"}
@@ -22,6 +27,15 @@ def test_every_chapter_registers_exercises():
 def test_stub_and_none_are_not_solved(exercise_id):
     assert grade(exercise_id, stub).status == NOT_SOLVED
     assert grade(exercise_id, None).status == NOT_SOLVED
+
+
+@pytest.mark.parametrize("exercise_id", sorted(EXERCISES))
+def test_grading_leaves_the_notebooks_random_state_alone(exercise_id):
+    """grade() forks the RNG: neither the grader's draws nor the answer's move the notebook's generator."""
+    torch.manual_seed(0)
+    state = torch.random.get_rng_state()
+    assert grade(exercise_id, draws_then_stops).status == NOT_SOLVED
+    assert torch.equal(torch.random.get_rng_state(), state)
 
 
 @pytest.mark.parametrize("exercise_id", sorted(EXERCISES))

@@ -2,13 +2,8 @@
 import pytest
 import torch
 
-from attnlib.exercises import CORRECT, NOT_SOLVED, WRONG, grade
+from attnlib.exercises import CORRECT, WRONG, grade
 from attnlib.functional import causal_mask, padding_mask
-
-
-def stub(*args):
-    raise NotImplementedError("write me")
-
 
 # 03.1 bottom-right causal mask ---------------------------------------------------------------
 
@@ -140,17 +135,5 @@ def test_03_4_mistakes_are_wrong(answer):
     assert grade("03.4", answer).status == WRONG
 
 
-def test_03_4_grader_leaves_global_rng_alone():
-    torch.manual_seed(123)
-    expected = torch.rand(3)
-    torch.manual_seed(123)
-    grade("03.4", detector)
-    torch.testing.assert_close(torch.rand(3), expected)
-
-
 # stubs ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("exercise_id", ["03.1", "03.2", "03.3", "03.4"])
-def test_stubs_are_not_solved(exercise_id):
-    assert grade(exercise_id, stub).status == NOT_SOLVED
-    assert grade(exercise_id, None).status == NOT_SOLVED

@@ -4,12 +4,7 @@ import math
 import pytest
 import torch
 
-from attnlib.exercises import CORRECT, NOT_SOLVED, WRONG, grade
-
-
-def stub(*args):
-    raise NotImplementedError("write me")
-
+from attnlib.exercises import CORRECT, WRONG, grade
 
 # 05.1 talking-heads weights by hand -----------------------------------------------------------
 
@@ -100,14 +95,6 @@ def test_05_2_mistakes_are_wrong(answer, hint):
     assert hint in verdict.detail
 
 
-def test_05_2_grader_leaves_global_rng_alone():
-    torch.manual_seed(123)
-    expected = torch.rand(3)
-    torch.manual_seed(123)
-    grade("05.2", leaking)
-    torch.testing.assert_close(torch.rand(3), expected)
-
-
 # 05.3 convex mixing ---------------------------------------------------------------------------
 
 def convex(weights, mix_raw):
@@ -148,7 +135,3 @@ def test_05_3_mistakes_are_wrong(answer, hint):
 
 # stubs ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("exercise_id", ["05.1", "05.2", "05.3"])
-def test_stubs_are_not_solved(exercise_id):
-    assert grade(exercise_id, stub).status == NOT_SOLVED
-    assert grade(exercise_id, None).status == NOT_SOLVED

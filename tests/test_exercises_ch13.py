@@ -177,11 +177,3 @@ def test_the_source_run_is_caught_at_step_1000_with_a_one_bit_floor():
     assert suspicious_in_bits_without_converting(_STEPS_100, _SOURCE_CAUSAL, 1.0) == 900
 
 
-def test_checks_leave_the_global_rng_alone():
-    torch.manual_seed(0)
-    expected = torch.rand(3)
-    torch.manual_seed(0)
-    for exercise_id, answer in [("13.1", perplexity_and_bits), ("13.2", first_suspicious_step),
-                                ("13.3", kv_cache_bytes)]:
-        assert grade(exercise_id, answer).correct
-    assert torch.equal(torch.rand(3), expected)

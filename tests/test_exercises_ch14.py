@@ -168,11 +168,6 @@ def test_plausible_mistake_is_wrong(exercise_id, answer):
     assert "raised" not in verdict.detail, verdict  # a hint, not a crash report
 
 
-@pytest.mark.parametrize("exercise_id", sorted(CASES))
-def test_stub_is_not_solved(exercise_id):
-    assert grade(exercise_id, stub).status == NOT_SOLVED
-
-
 def test_hints_name_the_mistake():
     assert "shares memory" in grade("14.1", copy_head_shared).detail
     assert "without a transpose" in grade("14.1", copy_head_no_transpose).detail
@@ -192,10 +187,3 @@ def test_lm_head_may_be_skipped_or_mapped():
     assert grade("14.4", hf_key_keeps_lm_head).status == CORRECT
 
 
-def test_checks_leave_the_global_rng_alone():
-    torch.manual_seed(0)
-    expected = torch.rand(3)
-    torch.manual_seed(0)
-    for exercise_id, (answer, _) in CASES.items():
-        grade(exercise_id, answer)
-    assert torch.equal(torch.rand(3), expected)
