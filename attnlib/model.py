@@ -51,9 +51,16 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache=cache)
-        return x + self.mlp(self.ln_2(x))
+    def forward(
+        self, x: torch.Tensor, cache: LayerCache | None = None, return_weights: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``(B, T, d_model)`` → ``(B, T, d_model)``; with ``return_weights`` also the attention
+        weights ``(B, n_heads, T, T_k)`` (computed on the eager path)."""
+        a = self.attn(self.ln_1(x), cache=cache, return_weights=return_weights)
+        a, weights = a if return_weights else (a, None)
+        x = x + a
+        x = x + self.mlp(self.ln_2(x))
+        return (x, weights) if return_weights else x
 
 
 class GPT(nn.Module):
@@ -160,8 +167,7 @@ class GPT(nn.Module):
             raise ValueError(
                 f"the cache holds {start} tokens; {T} more exceed block_size={self.config.block_size}"
             )
-        pos = torch.arange(start, start + T, device=idx.device)  # (T,)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, d_model) + (T, d_model) -> (B, T, d_model)
+        x = self.embed(idx, start)
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache.layers[i])
         if last_only:
@@ -177,6 +183,37 @@ class GPT(nn.Module):
                 raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}; got {tuple(targets.shape)}")
             loss = F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(B * T))
         return logits, loss
+
+    def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Token + position embeddings (then dropout) of ``idx`` ``(B, T)`` at positions
+        ``start, …, start + T - 1``: ``(B, T, d_model)``. ``idx`` is not checked here."""
+        pos = torch.arange(start, start + idx.shape[1], device=idx.device)  # (T,)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, d_model) + (T, d_model) -> (B, T, d_model)
+
+    @torch.no_grad()
+    def attention_weights(self, idx: torch.Tensor) -> torch.Tensor:
+        """Every layer's attention weights for ``idx``: what the attention explorer shows (chapter 12).
+
+        Runs the forward pass without gradients, each block on its eager attention path.
+
+        Args:
+            idx: ``(B, T)`` integer token ids, ``T <= block_size``.
+
+        Returns:
+            ``(n_layers, B, n_heads, T, T)`` float: entry ``[l, b, h, i, j]`` is how much
+            position ``i`` attends to position ``j`` in head ``h`` of layer ``l``; each row sums
+            to 1 and is 0 for ``j > i`` (causal).
+
+        Raises:
+            TypeError / ValueError: as :meth:`forward` for a bad ``idx``.
+        """
+        self.check_idx(idx)
+        x = self.embed(idx)
+        weights = []
+        for block in self.blocks:
+            x, w = block(x, return_weights=True)
+            weights.append(w)
+        return torch.stack(weights)  # n_layers x (B, n_heads, T, T) -> (n_layers, B, n_heads, T, T)
 
     def new_cache(self) -> KVCache:
         """An empty :class:`attnlib.cache.KVCache` for this model."""
