@@ -65,7 +65,20 @@ def test_kv_cache_rows():
         assert row["same_tokens"] is True
         assert _positive(row["cached_tokens_per_s"]) and _positive(row["uncached_tokens_per_s"])
         assert row["speedup"] == pytest.approx(row["cached_tokens_per_s"] / row["uncached_tokens_per_s"])
-    assert "cached/uncached" in format_kv_cache(rows)
+        assert _positive(row["plain_tokens_per_s"])
+        assert row["speedup_vs_plain"] == pytest.approx(row["cached_tokens_per_s"] / row["plain_tokens_per_s"])
+    assert "cached/uncached" in format_kv_cache(rows) and "cached/plain" in format_kv_cache(rows)
+
+
+def test_generate_plain_is_greedy_generation_without_a_cache():
+    from attnlib.bench.kv_cache import generate_plain
+    from attnlib.model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(TINY_GPT).eval()
+    prompt = torch.randint(0, TINY_GPT.vocab_size, (2, 5))
+    expected = model.generate(prompt, 40, temperature=0.0, use_cache=False)  # 45 > block_size: the window slides
+    assert torch.equal(generate_plain(model, prompt, 40), expected)
     with pytest.raises(ValueError, match="unknown variant"):
         kv_cache_rows(("nope",), tokens=1, config=TINY_GPT, device="cpu", repeats=1)
 

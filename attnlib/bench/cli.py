@@ -108,7 +108,9 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> dict:
         rows = kv_cache_rows(args.variants, tokens=tokens, prompt_len=args.prompt_len, config=config,
                              batch=args.batch, device=device, repeats=args.repeats)
         text = format_kv_cache(rows, settings)
-        summary = {"min_speedup": min(r["speedup"] for r in rows), "all_same_tokens": all(r["same_tokens"] for r in rows)}
+        summary = {"min_speedup": min(r["speedup"] for r in rows),
+                   "min_speedup_vs_plain": min(r["speedup_vs_plain"] for r in rows),
+                   "all_same_tokens": all(r["same_tokens"] for r in rows)}
     else:
         seq_lens = _pick(args.seq_lens, args.small, MEMORY_SMALL["seq_lens"], [256, 512, 1024, 2048, 4096])
         n_heads = _pick(args.n_heads, args.small, MEMORY_SMALL["n_heads"], 12)
