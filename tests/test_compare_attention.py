@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from attnlib.attention import ATTENTION_REGISTRY
-from attnlib.experiments import compare_attention as ca
+from attnlib.book.experiments import compare_attention as ca
 
 
 def future_moves_past(model, T=16) -> bool:

@@ -1,11 +1,11 @@
-"""`python -m attnlib.exercises check`: a chapter is all 'not solved yet', its solutions all 'correct'."""
+"""`python -m attnlib.book.exercises check`: a chapter is all 'not solved yet', its solutions all 'correct'."""
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from attnlib.exercises.__main__ import NOT_CHECKED, check_notebook, main
+from attnlib.book.exercises.__main__ import NOT_CHECKED, check_notebook, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +20,7 @@ def test_chapter_is_not_solved_and_solutions_are_correct():
 
 def test_command_line_table_and_exit_status(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "attnlib.exercises", "check", str(ROOT / "solutions" / "01_attention_from_averages_solutions.ipynb")],
+        [sys.executable, "-m", "attnlib.book.exercises", "check", str(ROOT / "solutions" / "01_attention_from_averages_solutions.ipynb")],
         capture_output=True, text=True, cwd=tmp_path, timeout=600,
     )
     assert result.returncode == 0, result.stderr
@@ -33,7 +33,7 @@ def test_a_broken_notebook_reports_wrong_and_not_checked(tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.cells = [
         nbformat.v4.new_markdown_cell("```{exercise-start}\n:label: ex-03-1\n```"),
-        nbformat.v4.new_code_cell("from attnlib.exercises import ch03\nch03.check_bottom_right_causal_mask(lambda T_q, T_k: None + 1)"),
+        nbformat.v4.new_code_cell("from attnlib.book.exercises import ch03\nch03.check_bottom_right_causal_mask(lambda T_q, T_k: None + 1)"),
         nbformat.v4.new_markdown_cell("```{exercise-start}\n:label: ex-03-2\n```"),
         nbformat.v4.new_code_cell("raise RuntimeError('a learner typo')"),
     ]

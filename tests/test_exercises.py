@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from attnlib.exercises import EXERCISES, NOT_SOLVED, WRONG, grade
+from attnlib.book.exercises import EXERCISES, NOT_SOLVED, WRONG, grade
 
 
 def stub(*args, **kwargs):
@@ -49,7 +49,7 @@ def test_an_answer_that_raises_is_wrong_not_a_crash(exercise_id, capsys):
 
 
 def test_check_functions_print_one_verdict_line(capsys):
-    from attnlib.exercises import ch03
+    from attnlib.book.exercises import ch03
 
     ch03.check_bottom_right_causal_mask(stub)
     assert capsys.readouterr().out.startswith("Exercise 03.1: not solved yet")

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from attnlib.exercises import CORRECT, WRONG, grade
+from attnlib.book.exercises import CORRECT, WRONG, grade
 
 # ---------------------------------------------------------------- reference answers (as in the solutions)
 

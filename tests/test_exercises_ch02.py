@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnlib.exercises import CORRECT, NOT_SOLVED, WRONG, grade
+from attnlib.book.exercises import CORRECT, NOT_SOLVED, WRONG, grade
 
 # --------------------------------------------------------------------------- 02.1 attention by hand
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from attnlib.exercises import CORRECT, WRONG, grade
+from attnlib.book.exercises import CORRECT, WRONG, grade
 from attnlib.functional import causal_mask, padding_mask
 
 # 03.1 bottom-right causal mask ---------------------------------------------------------------

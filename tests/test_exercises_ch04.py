@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from attnlib import MultiHeadAttentionWrapper
-from attnlib.exercises import CORRECT, WRONG, grade
+from attnlib.book.exercises import CORRECT, WRONG, grade
 
 
 # ---------------------------------------------------------------- 04.1

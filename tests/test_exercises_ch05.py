@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from attnlib.exercises import CORRECT, WRONG, grade
+from attnlib.book.exercises import CORRECT, WRONG, grade
 
 # 05.1 talking-heads weights by hand -----------------------------------------------------------
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlib.exercises import (
+from attnlib.book.exercises import (
     CORRECT,
     WRONG,
     ch06,  # noqa: F401  (registers the 06.x graders)

@@ -6,7 +6,7 @@ import torch
 
 from attnlib import GPTConfig
 from attnlib.attention import ATTENTION_REGISTRY, MultiHeadLatentAttention
-from attnlib.exercises import CORRECT, WRONG, grade
+from attnlib.book.exercises import CORRECT, WRONG, grade
 
 
 # ---------------------------------------------------------------- 07.1

@@ -7,7 +7,7 @@ import torch
 from attnlib import GPT, GPTConfig
 from attnlib.attention import ATTENTION_REGISTRY
 from attnlib.cache import KVCache
-from attnlib.exercises import CORRECT, WRONG, grade
+from attnlib.book.exercises import CORRECT, WRONG, grade
 
 
 # ---------------------------------------------------------------- 08.1

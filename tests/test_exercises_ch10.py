@@ -1,7 +1,7 @@
 """Chapter 10 graders: the reference is correct, a plausible slip is wrong, a stub is not solved."""
 import torch
 
-from attnlib.exercises import ch10, grade  # noqa: F401
+from attnlib.book.exercises import ch10, grade  # noqa: F401
 from attnlib.positional import sinusoidal_encoding
 
 

@@ -4,7 +4,7 @@ from collections import Counter
 import pytest
 import torch
 
-from attnlib.exercises import CORRECT, WRONG, grade
+from attnlib.book.exercises import CORRECT, WRONG, grade
 
 # 11.1 pair counts --------------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from attnlib import GPT, GPTConfig
-from attnlib.exercises import CORRECT, NOT_SOLVED, WRONG, grade
+from attnlib.book.exercises import CORRECT, NOT_SOLVED, WRONG, grade
 
 
 # ---------------------------------------------------------------- 12.1

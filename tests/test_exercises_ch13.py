@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from attnlib.exercises import CORRECT, NOT_SOLVED, WRONG, grade
+from attnlib.book.exercises import CORRECT, NOT_SOLVED, WRONG, grade
 
 
 # ---------------------------------------------------------------- 13.1
@@ -171,7 +171,7 @@ def test_hints(exercise_id, answer, hint):
 
 
 def test_the_source_run_is_caught_at_step_1000_with_a_one_bit_floor():
-    from attnlib.exercises.ch13 import _SOURCE_CAUSAL, _STEPS_100
+    from attnlib.book.exercises.ch13 import _SOURCE_CAUSAL, _STEPS_100
 
     assert first_suspicious_step(_STEPS_100, _SOURCE_CAUSAL, 1.0) == 1000
     assert suspicious_in_bits_without_converting(_STEPS_100, _SOURCE_CAUSAL, 1.0) == 900

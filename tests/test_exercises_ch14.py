@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from attnlib import MultiHeadAttention, MultiHeadAttentionWrapper, SelfAttentionV1
-from attnlib.exercises import CORRECT, NOT_SOLVED, WRONG, grade
+from attnlib.book.exercises import CORRECT, NOT_SOLVED, WRONG, grade
 from attnlib.gpt2 import hf_gpt2_key_map
 
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from attnlib.exercises import CORRECT, NOT_SOLVED, WRONG, ch15, grade  # noqa: F401  (ch15 registers the 15.x graders)
+from attnlib.book.exercises import CORRECT, NOT_SOLVED, WRONG, ch15, grade  # noqa: F401  (ch15 registers the 15.x graders)
 
 
 # ---------------------------------------------------------------- 15.1

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from attnlib import GPT, GPTConfig
-from attnlib.explorer import AttentionExplorer, plot_attention, token_labels
+from attnlib.book.explorer import AttentionExplorer, plot_attention, token_labels
 from attnlib.tokenizers import CharTokenizer
 
 VARIANTS = ["mha", "talking_heads", "gqa", "mqa", "mla"]

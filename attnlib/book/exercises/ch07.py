@@ -18,7 +18,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from attnlib.config import GPTConfig
-from attnlib.exercises._core import Wrong, exercise, expect, expect_close
+from attnlib.book.exercises._core import Wrong, exercise, expect, expect_close
 
 __all__ = ["check_absorbed_scores", "check_fold_output", "check_kv_cache_bytes"]
 

@@ -1,4 +1,4 @@
-"""Check a learner's notebook: ``python -m attnlib.exercises check NOTEBOOK.ipynb``.
+"""Check a learner's notebook: ``python -m attnlib.book.exercises check NOTEBOOK.ipynb``.
 
 Executes the notebook in a fresh kernel (errors do not stop it), reads the verdict
 line each check cell prints, and prints a table of every exercise the notebook
@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-from attnlib.exercises._core import CORRECT, NOT_SOLVED, WRONG
+from attnlib.book.exercises._core import CORRECT, NOT_SOLVED, WRONG
 
 NOT_CHECKED = "not checked"
 _LABEL = re.compile(r":label:\s*ex-(\d+)-(\d+)")
@@ -50,7 +50,7 @@ def check_notebook(path: str | Path, timeout: int = 600) -> list[tuple[str, str,
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: ``check NOTEBOOK.ipynb [--timeout S]``; prints the table, returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m attnlib.exercises", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m attnlib.book.exercises", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="execute a notebook and report every exercise")
     check.add_argument("notebook")

@@ -15,7 +15,7 @@ from unittest import mock
 import torch
 
 from attnlib.config import GPTConfig
-from attnlib.exercises._core import Wrong, exercise, expect
+from attnlib.book.exercises._core import Wrong, exercise, expect
 from attnlib.generate import top_k_filter, top_p_filter
 from attnlib.model import GPT
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from attnlib.attention.target import TargetAttention
-from attnlib.exercises._core import exercise, expect, expect_close
+from attnlib.book.exercises._core import exercise, expect, expect_close
 from attnlib.functional import attention
 
 __all__ = ["check_cross_attention_weights", "check_din_inputs", "check_rank_auc"]

@@ -17,7 +17,7 @@ import math
 import torch
 
 from attnlib.attention import MultiHeadAttention, MultiHeadAttentionWrapper
-from attnlib.exercises._core import Wrong, exercise, expect, expect_close
+from attnlib.book.exercises._core import Wrong, exercise, expect, expect_close
 from attnlib.functional import attention, causal_mask
 
 __all__ = ["check_split_into_heads", "check_mha_einsum", "check_mha_param_count"]

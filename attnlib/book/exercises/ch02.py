@@ -23,7 +23,7 @@ from torch import nn
 
 import attnlib.functional
 from attnlib.attention import SelfAttentionV2
-from attnlib.exercises._core import Wrong, exercise, expect, expect_close
+from attnlib.book.exercises._core import Wrong, exercise, expect, expect_close
 
 __all__ = ["check_attention", "check_fuse_qkv", "check_score_variance"]
 

@@ -16,7 +16,7 @@ import numbers
 
 import torch
 
-from attnlib.exercises._core import exercise, expect
+from attnlib.book.exercises._core import exercise, expect
 
 __all__ = ["check_perplexity_and_bits", "check_first_suspicious_step", "check_kv_cache_bytes"]
 

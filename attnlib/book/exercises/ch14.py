@@ -24,7 +24,7 @@ from torch import nn
 
 from attnlib.attention import MultiHeadAttention, MultiHeadAttentionWrapper, SelfAttentionV1, SelfAttentionV2
 from attnlib.config import GPTConfig
-from attnlib.exercises._core import Wrong, exercise, expect, expect_close
+from attnlib.book.exercises._core import Wrong, exercise, expect, expect_close
 from attnlib.gpt2 import hf_gpt2_key_map
 from attnlib.model import GPT
 

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from attnlib.exercises._core import exercise, expect
+from attnlib.book.exercises._core import exercise, expect
 from attnlib.functional import causal_mask
 
 __all__ = ["check_online_softmax_stats", "check_longest_context", "check_causal_tile_kind"]

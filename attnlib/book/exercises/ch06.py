@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 from attnlib.attention import ATTENTION_REGISTRY
 from attnlib.config import GPTConfig
-from attnlib.exercises._core import exercise, expect, expect_close
+from attnlib.book.exercises._core import exercise, expect, expect_close
 from attnlib.functional import causal_mask
 
 __all__ = ["check_repeat_kv", "check_gqa_attention", "check_kv_cache_bytes"]

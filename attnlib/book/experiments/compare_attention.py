@@ -2,7 +2,7 @@
 
 Chapter 13. The full run (about 15 minutes on a 2-core CPU)::
 
-    python -m attnlib.experiments.compare_attention --out results/compare_attention.json
+    python -m attnlib.book.experiments.compare_attention --out results/compare_attention.json
 
 Every variant gets the same configuration (the source's: d_model 64, 4 heads,
 n_kv_heads 2, 4 layers, block 32, batch 16, lr 1e-3, 5000 steps, evaluation every 100
@@ -156,7 +156,7 @@ def load_results(path: str | Path | None = None) -> dict:
     path = Path(path) if path is not None else RESULTS_PATH
     if not path.is_file():
         raise FileNotFoundError(
-            f"no results at {path}; run `python -m attnlib.experiments.compare_attention --out {path}` first"
+            f"no results at {path}; run `python -m attnlib.book.experiments.compare_attention --out {path}` first"
         )
     return json.loads(path.read_text())
 
@@ -174,7 +174,7 @@ def format_table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     """Command line: run the comparison, print the table, write the results file."""
-    p = argparse.ArgumentParser(prog="python -m attnlib.experiments.compare_attention", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m attnlib.book.experiments.compare_attention", description=main.__doc__)
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated registry names")
     p.add_argument("--include-leaky", action="store_true", help=f"also train {', '.join(LEAKY_VARIANTS)}")
     p.add_argument("--max-iters", type=int, default=TRAINING["max_iters"])
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
         variants += tuple(LEAKY_VARIANTS)
     training = {"max_iters": args.max_iters, "eval_interval": args.eval_interval, "eval_iters": args.eval_iters}
     results = compare(variants, training, device=args.device)
-    results["meta"]["command"] = "python -m attnlib.experiments.compare_attention " + " ".join(argv or sys.argv[1:])
+    results["meta"]["command"] = "python -m attnlib.book.experiments.compare_attention " + " ".join(argv or sys.argv[1:])
     results["meta"]["load_average_1min_at_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     print(format_table(results))
     if args.out:

@@ -8,7 +8,7 @@ switch between the stored heatmaps. With a kernel, typing a new text adds it.
 
 Usage::
 
-    from attnlib.explorer import AttentionExplorer
+    from attnlib.book.explorer import AttentionExplorer
     AttentionExplorer(model, tokenizer, ["ROMEO:\\nBut soft, what light"])  # shows itself in Jupyter
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ from collections import Counter
 
 import torch
 
-from attnlib.exercises._core import exercise, expect, expect_close
+from attnlib.book.exercises._core import exercise, expect, expect_close
 
 __all__ = ["check_pair_counts", "check_merge", "check_left_pad"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlib.exercises._core import exercise, expect, expect_close
+from attnlib.book.exercises._core import exercise, expect, expect_close
 from attnlib.positional import sinusoidal_encoding
 
 __all__ = ["check_decoder_mask", "check_rms_norm", "check_sinusoidal"]

@@ -20,7 +20,7 @@ import torch
 from attnlib.attention import ATTENTION_REGISTRY
 from attnlib.cache import LayerCache
 from attnlib.config import GPTConfig
-from attnlib.exercises._core import Wrong, exercise, expect, expect_close
+from attnlib.book.exercises._core import Wrong, exercise, expect, expect_close
 from attnlib.functional import attention, causal_mask
 
 __all__ = ["check_cached_attention", "check_kv_cache_bytes", "check_mini_cache"]

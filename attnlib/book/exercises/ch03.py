@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from attnlib.attention.teaching import CausalAttention, SelfAttentionV2
-from attnlib.exercises._core import exercise, expect, expect_close
+from attnlib.book.exercises._core import exercise, expect, expect_close
 from attnlib.functional import causal_mask, padding_mask
 
 __all__ = [
