@@ -6,14 +6,12 @@ builds the piece by hand and checks it equals the version here.
 from attnlib import attention, data, functional, generate, tokenizers
 from attnlib._device import device
 from attnlib.attention import (
+    ATTENTION_FUNCTIONS,
     ATTENTION_REGISTRY,
     CausalAttention,
-    CausalSelfAttention,
-    GroupedQueryAttention,
     MultiHeadAttention,
     MultiHeadAttentionWrapper,
     MultiHeadLatentAttention,
-    MultiQueryAttention,
     SelfAttentionV1,
     SelfAttentionV2,
     TalkingHeadsAttention,
@@ -24,24 +22,22 @@ from attnlib.norms import LayerNorm, RMSNorm
 from attnlib.positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
 from attnlib.transformer import DecoderLayer, EncoderLayer, FeedForward, Transformer
 
-__version__ = "0.1.0"
+__version__ = "1.0.0"
 
 __all__ = [
+    "ATTENTION_FUNCTIONS",
     "ATTENTION_REGISTRY",
     "CausalAttention",
-    "CausalSelfAttention",
     "DecoderLayer",
     "EncoderLayer",
     "FeedForward",
     "GPT",
     "GPTConfig",
-    "GroupedQueryAttention",
     "LayerNorm",
     "LearnedPositionalEmbedding",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
     "MultiHeadLatentAttention",
-    "MultiQueryAttention",
     "RMSNorm",
     "RotaryEmbedding",
     "SelfAttentionV1",

@@ -43,6 +43,14 @@ class LayerCache:
             One tensor ``(..., length + T_new, width)`` per name, in the order given
             (views into the buffers: no copy of the past).
         """
+        if self.buffers and set(new) != set(self.buffers):
+            raise ValueError(
+                f"this cache holds {sorted(self.buffers)} (filled by another attention variant?); "
+                f"cannot append {sorted(new)}"
+            )
+        for name, t in new.items():
+            if not isinstance(t, torch.Tensor) or t.dim() < 2:
+                raise ValueError(f"{name} must be a tensor (..., T_new, width); got {getattr(t, 'shape', type(t).__name__)}")
         T_new = {t.shape[-2] for t in new.values()}
         if len(T_new) != 1:
             raise ValueError(f"all tensors must add the same number of positions; got {sorted(T_new)}")
@@ -113,8 +121,15 @@ class KVCache:
 
     @property
     def length(self) -> int:
-        """Positions cached so far."""
-        return self.layers[0].length
+        """Positions cached so far.
+
+        Raises:
+            ValueError: the layers hold different numbers of positions (a cache that fell out of step).
+        """
+        lengths = {layer.length for layer in self.layers}
+        if len(lengths) != 1:
+            raise ValueError(f"the cache's layers hold different numbers of positions {sorted(lengths)}; reset it")
+        return lengths.pop()
 
     def reset(self) -> None:
         """Forget every position in every layer, keeping the buffers."""

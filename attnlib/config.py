@@ -1,16 +1,20 @@
 """`GPTConfig`: the sizes of a decoder-only GPT, checked when it is made."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import dataclasses
+from dataclasses import dataclass
 
 from attnlib._checks import divisible, positive_int, probability
 
-__all__ = ["GPTConfig"]
+__all__ = ["ATTENTION_VARIANTS", "GPTConfig"]
+
+#: The attention variants a GPT can use (the keys of :data:`attnlib.attention.ATTENTION_REGISTRY`).
+ATTENTION_VARIANTS = ("mha", "talking_heads", "mqa", "gqa", "mla")
 
 
-@dataclass
+@dataclass(frozen=True)
 class GPTConfig:
-    """Hyperparameters of :class:`attnlib.GPT` (chapter 12).
+    """Hyperparameters of :class:`attnlib.GPT` (chapter 12). Frozen: change one with :meth:`replace`.
 
     Attributes:
         vocab_size: number of token ids.
@@ -18,23 +22,24 @@ class GPTConfig:
         n_layers: number of Transformer blocks.
         n_heads: query heads per attention layer.
         d_model: width of the residual stream; ``head_dim = d_model // n_heads``.
-        n_kv_heads: key/value heads of grouped-query attention (``attention="gqa"``);
-            defaults to ``n_heads``. ``"mqa"`` uses one; the other variants ignore it.
-        kv_latent_dim: width ``d_c`` of the latent that multi-head latent attention
-            (``attention="mla"``) caches instead of keys and values; defaults to
-            ``d_model // 4`` (16 for the book's small model, as in the source notebook).
+        n_kv_heads: key/value heads of grouped-query attention (``attention="gqa"``; default
+            ``n_heads``). Given for another variant it must agree with it (``"mha"``: ``n_heads``;
+            ``"mqa"``: 1), and it is refused for ``"talking_heads"`` and ``"mla"``. Kept as given
+            (``None`` when not given); the value used is :attr:`kv_heads`.
+        kv_latent_dim: width ``d_c`` of the latent that ``attention="mla"`` caches instead of
+            keys and values (default ``d_model // 4``, as in the source notebook); refused for
+            other variants. Kept as given; the value used is :attr:`latent_dim`.
         dropout: dropout probability on attention weights, residual branches and embeddings.
         bias: whether the Linear layers and LayerNorms carry a bias.
-        attention: name of the attention variant in
-            :data:`attnlib.attention.ATTENTION_REGISTRY` (``"mha"``, ...).
+        attention: one of :data:`ATTENTION_VARIANTS` (``"mha"``, ...).
         gelu_approximate: the MLP's GELU, as ``torch.nn.GELU(approximate=...)``:
             ``"none"`` (exact) or ``"tanh"`` (GPT-2's form, needed to reproduce its weights).
 
     Raises:
-        TypeError: a size that is not an int.
-        ValueError: a non-positive size, ``d_model`` not divisible by ``n_heads``,
-            ``n_heads`` not divisible by ``n_kv_heads``, ``kv_latent_dim < 1``, ``dropout`` outside [0, 1),
-            an unknown attention name or GELU form. The message names the value.
+        TypeError: a size that is not an int, ``bias`` not a bool.
+        ValueError: a non-positive size, ``d_model`` not divisible by ``n_heads``, ``n_heads`` not
+            divisible by ``n_kv_heads``, a setting that contradicts the variant, ``dropout`` outside
+            [0, 1), an unknown attention name or GELU form. The message names the value.
     """
 
     vocab_size: int = 65
@@ -52,23 +57,27 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layers", "n_heads", "d_model"):
             positive_int(name, getattr(self, name))
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        positive_int("n_kv_heads", self.n_kv_heads)
-        if self.kv_latent_dim is None:
-            self.kv_latent_dim = max(1, self.d_model // 4)
-        positive_int("kv_latent_dim", self.kv_latent_dim)
+        if self.attention not in ATTENTION_VARIANTS:
+            raise ValueError(f"attention={self.attention!r} is not a known variant; choose one of: {', '.join(ATTENTION_VARIANTS)}")
         divisible("d_model", self.d_model, "n_heads", self.n_heads)
-        divisible("n_heads", self.n_heads, "n_kv_heads", self.n_kv_heads)
+        if self.n_kv_heads is not None:
+            positive_int("n_kv_heads", self.n_kv_heads)
+            expected = {"mha": self.n_heads, "mqa": 1}.get(self.attention)
+            if self.attention in ("talking_heads", "mla"):
+                raise ValueError(f"n_kv_heads={self.n_kv_heads} does not apply to attention={self.attention!r}; leave it None")
+            if expected is not None and self.n_kv_heads != expected:
+                raise ValueError(
+                    f"n_kv_heads={self.n_kv_heads} contradicts attention={self.attention!r}, which has {expected} "
+                    f"key/value head(s); use attention='gqa' for another number"
+                )
+            divisible("n_heads", self.n_heads, "n_kv_heads", self.n_kv_heads)
+        if self.kv_latent_dim is not None:
+            positive_int("kv_latent_dim", self.kv_latent_dim)
+            if self.attention != "mla":
+                raise ValueError(f"kv_latent_dim={self.kv_latent_dim} applies to attention='mla' only; got {self.attention!r}")
         probability("dropout", self.dropout)
         if not isinstance(self.bias, bool):
             raise TypeError(f"bias must be a bool; got {self.bias!r}")
-
-        from attnlib.attention import ATTENTION_REGISTRY  # late import: the registry imports this module
-
-        if self.attention not in ATTENTION_REGISTRY:
-            known = ", ".join(sorted(ATTENTION_REGISTRY))
-            raise ValueError(f"attention={self.attention!r} is not a known variant; choose one of: {known}")
         if self.gelu_approximate not in ("none", "tanh"):
             raise ValueError(f"gelu_approximate={self.gelu_approximate!r} must be 'none' or 'tanh'")
 
@@ -94,19 +103,23 @@ class GPTConfig:
         return cls(**{**fields, **sizes[size], **overrides})
 
     def replace(self, **changes) -> GPTConfig:
-        """A copy with ``changes``; ``n_kv_heads`` and ``kv_latent_dim`` that held their defaults are derived anew.
-
-        (``dataclasses.replace`` would keep them: ``replace(config, n_heads=2)`` on a config with
-        ``n_kv_heads`` defaulted to 4 would fail, 2 not being divisible by 4.)
-        """
-        fields = asdict(self)
-        if "n_kv_heads" not in changes and self.n_kv_heads == self.n_heads:
-            fields["n_kv_heads"] = None
-        if "kv_latent_dim" not in changes and self.kv_latent_dim == max(1, self.d_model // 4):
-            fields["kv_latent_dim"] = None
-        return GPTConfig(**{**fields, **changes})
+        """A copy with ``changes`` (validated anew). Fields not given stay as they were given: a defaulted
+        ``n_kv_heads`` stays ``None`` and so follows a new ``n_heads``."""
+        return dataclasses.replace(self, **changes)
 
     @property
     def head_dim(self) -> int:
         """Width of one head: ``d_model // n_heads``."""
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads the attention layers use: 1 for ``"mqa"``, ``n_kv_heads`` (default ``n_heads``) otherwise."""
+        if self.attention == "mqa":
+            return 1
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def latent_dim(self) -> int:
+        """The MLA latent width used: ``kv_latent_dim``, default ``max(1, d_model // 4)``."""
+        return max(1, self.d_model // 4) if self.kv_latent_dim is None else self.kv_latent_dim

@@ -1,115 +1,157 @@
-"""The readable eager attention reference and the masks it takes.
+"""The attention functions and the masks they take: one signature, checked once.
 
-Everything here is plain PyTorch so that a reader can follow each line; the tests
-pin :func:`attention` to :func:`torch.nn.functional.scaled_dot_product_attention`.
+Every attention function here (and :func:`attnlib.attention.tiled.tiled_attention`)
+has the signature of Hugging Face's ``AttentionInterface`` functions::
 
-Mask convention (the same as PyTorch SDPA): a boolean tensor where ``True`` means
-"this query may attend to this key".
+    fn(q, k, v, mask=None, *, is_causal=False, scale=None, dropout_p=0.0, score_mod=None)
+        -> (output, weights or None)
+
+and :data:`attnlib.attention.ATTENTION_FUNCTIONS` picks one by name. :func:`attention`
+is the readable reference the book teaches (it returns the weights for plotting);
+:func:`sdpa_attention` calls :func:`torch.nn.functional.scaled_dot_product_attention`.
+
+Conventions (chapter 03):
+
+* ``mask``: boolean, ``True`` = may attend (PyTorch SDPA's convention), with exactly
+  the rank of the scores ``(..., T_q, T_k)``; each of its dims is 1 or the scores'
+  size. A mask of another rank is refused, never read another way.
+* ``is_causal``: query ``i`` sits at absolute position ``T_k - T_q + i`` and sees the
+  keys up to it (the bottom-right alignment a KV cache needs; SDPA's own
+  ``is_causal`` is top-left).
+* ``score_mod(scores, b, h, q_idx, kv_idx) -> scores``: FlexAttention's score
+  modification, applied to the whole scores tensor with broadcastable index tensors.
+* A key padding mask is ``(B, T_k)`` with ``True`` = a real token: the opposite of
+  ``nn.MultiheadAttention``'s ``key_padding_mask``, where ``True`` means "ignore".
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["attention", "causal_mask", "padding_mask"]
+__all__ = [
+    "attention",
+    "causal_mask",
+    "check_attention_inputs",
+    "combined_mask",
+    "mask_from_mod",
+    "masked_softmax",
+    "padding_mask",
+    "sdpa_attention",
+]
+
+ScoreMod = Callable[..., torch.Tensor]
 
 
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scaled dot-product attention, written out: ``softmax(q k^T * scale) v``.
+def _shape(t: object) -> object:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
 
-    Vaswani et al. 2017, §3.2.1 (derived in chapter 02, masked in chapter 03).
 
-    Args:
-        q: queries, shape ``(..., T_q, head_dim)``, floating point.
-        k: keys, shape ``(..., T_k, head_dim)``, same dtype as ``q``.
-        v: values, shape ``(..., T_k, head_dim_v)``, same dtype as ``q``.
-        mask: optional boolean tensor broadcastable to ``(..., T_q, T_k)``;
-            ``True`` = may attend (PyTorch SDPA's convention).
-        dropout_p: probability of zeroing an attention weight (applied whenever
-            it is > 0, as in SDPA: pass 0.0 at evaluation time).
-        scale: factor applied to the logits; defaults to ``1 / sqrt(head_dim)``.
+def check_attention_inputs(
+    q: object,
+    k: object,
+    v: object,
+    mask: object = None,
+    is_causal: object = False,
+    scale: object = None,
+    dropout_p: object = 0.0,
+    score_mod: object = None,
+) -> None:
+    """Raise ``TypeError``/``ValueError`` unless the arguments of an attention function fit together.
 
-    Returns:
-        ``(output, weights)``: output of shape ``(..., T_q, head_dim_v)`` and the
-        attention weights of shape ``(..., T_q, T_k)`` (after dropout). A query
-        row whose mask is all ``False`` has nothing to attend to: its weights and
-        its output are zeros, never NaN.
-
-    Raises:
-        TypeError: if ``mask`` is not boolean or the inputs are not floating point.
-        ValueError: if the shapes do not fit together or ``dropout_p`` is not in [0, 1).
+    Shared by every attention function, so that they all refuse the same inputs before
+    any kernel runs: ``q (..., n_heads, T_q, head_dim)``, ``k (..., n_kv_heads, T_k,
+    head_dim)``, ``v (..., n_kv_heads, T_k, head_dim_v)`` floating point of one dtype
+    and device, equal batch dims, ``n_heads`` a multiple of ``n_kv_heads`` (4-D inputs:
+    grouped-query attention), ``T_k >= 1``; a boolean ``mask`` of the scores' rank whose
+    dims are 1 or the scores'; ``is_causal`` a bool with ``T_q <= T_k``; ``scale`` finite
+    and positive; ``dropout_p`` in [0, 1); ``score_mod`` callable.
     """
-    if not (q.is_floating_point() and k.is_floating_point() and v.is_floating_point()):
-        raise TypeError(f"q, k, v must be floating point tensors; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dim() < 2 or k.dim() < 2 or v.dim() < 2:
-        raise ValueError(
-            f"q, k, v need at least 2 dims (..., T, head_dim); got shapes {tuple(q.shape)}, "
-            f"{tuple(k.shape)}, {tuple(v.shape)}"
-        )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating point tensor; got dtype {t.dtype}")
+        if t.dim() < 2:
+            raise ValueError(f"{name} needs at least 2 dims (..., T, head_dim); got shape {tuple(t.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if not q.dim() == k.dim() == v.dim():
+        raise ValueError(f"q, k, v must have the same rank; got shapes {_shape(q)}, {_shape(k)}, {_shape(v)}")
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must share head_dim; got q {tuple(q.shape)} and k {tuple(k.shape)}")
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"k and v must have the same length T_k; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+        raise ValueError(f"q and k must share head_dim; got q {_shape(q)} and k {_shape(k)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must agree in every dim but the last; got k {_shape(k)} and v {_shape(v)}")
+    if k.shape[-2] == 0:
+        raise ValueError(f"k and v hold no positions (T_k=0): a query needs at least one key; got k {_shape(k)}")
+    if q.dim() == 4:
+        if q.shape[0] != k.shape[0]:
+            raise ValueError(f"q and k must have the same batch size B; got q {_shape(q)} and k {_shape(k)}")
+        n_heads, n_kv_heads = q.shape[1], k.shape[1]
+        if n_kv_heads == 0 or n_heads % n_kv_heads:
+            raise ValueError(
+                f"q's n_heads={n_heads} must be a multiple of k's n_kv_heads={n_kv_heads} "
+                f"(grouped-query attention); got q {_shape(q)} and k {_shape(k)}"
+            )
+    elif q.shape[:-2] != k.shape[:-2]:
+        raise ValueError(f"q and k must have the same batch dims; got q {_shape(q)} and k {_shape(k)}")
+    T_q, T_k = q.shape[-2], k.shape[-2]
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool; got {is_causal!r}")
+    if is_causal and T_q > T_k:
+        raise ValueError(f"is_causal needs T_q <= T_k (bottom-right aligned); got T_q={T_q} > T_k={T_k}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale must be a float or None; got {scale!r}")
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale={scale!r} must be a finite number > 0")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float; got {dropout_p!r}")
     if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
-
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    scores = (q @ k.transpose(-2, -1)) * scale  # (..., T_q, d) @ (..., d, T_k) -> (..., T_q, T_k)
-
+        raise ValueError(f"dropout_p={dropout_p!r} must be in [0, 1)")
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"score_mod must be callable (score, b, h, q_idx, kv_idx) -> score; got {score_mod!r}")
     if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"mask must be a boolean torch.Tensor (True = may attend); got {type(mask).__name__}")
         if mask.dtype != torch.bool:
             raise TypeError(f"mask must be a boolean tensor (True = may attend); got dtype {mask.dtype}")
-        try:
-            torch.broadcast_shapes(mask.shape, scores.shape)
-        except RuntimeError:
+        scores = (*q.shape[:-1], T_k)
+        if mask.dim() != len(scores) or any(m not in (1, s) for m, s in zip(mask.shape, scores)):
             raise ValueError(
-                f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape {tuple(scores.shape)}"
-            ) from None
-        scores = scores.masked_fill(~mask, float("-inf"))
-
-    weights = torch.softmax(scores, dim=-1)
-    if mask is not None:
-        # A fully masked row is softmax(all -inf) = NaN; it has nothing to attend to, so it gets zeros.
-        weights = weights.masked_fill(~mask, 0.0)
-    if dropout_p > 0.0:
-        weights = F.dropout(weights, p=dropout_p)
-    return weights @ v, weights  # (..., T_q, T_k) @ (..., T_k, d_v) -> (..., T_q, d_v)
+                f"mask of shape {tuple(mask.shape)} must have the scores' rank {len(scores)} with each dim 1 or "
+                f"equal to the scores' shape {scores} (e.g. a key padding mask (B, T_k) as "
+                f"mask[:, None, None, :] for (B, n_heads, T_q, T_k))"
+            )
+        if mask.device != q.device:
+            raise ValueError(f"mask is on {mask.device} but q on {q.device}")
 
 
-def _check_length(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
+def _check_length(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}={value!r} must be an integer >= 0")
+
+
+@lru_cache(maxsize=16)
+def _future(T_q: int, T_k: int, device: torch.device) -> torch.Tensor:
+    """``(T_q, T_k)`` bool, ``True`` where the key lies after the query (bottom-right); cached, never written."""
+    return torch.ones(T_q, T_k, dtype=torch.bool, device=device).triu(diagonal=T_k - T_q + 1)
 
 
 def causal_mask(T_q: int, T_k: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
-    """Boolean causal mask, aligned to the bottom-right corner.
+    """Boolean causal mask ``(T_q, T_k)``, aligned to the bottom-right corner; ``True`` = may attend.
 
-    Query ``i`` sits at absolute position ``T_k - T_q + i``; it may attend to every
-    key at or before that position. With ``T_q == T_k`` this is the usual lower
-    triangle; with ``T_q < T_k`` (decoding with a KV cache: a few new queries over
-    all cached keys) it stays right, where a top-left triangle would hide keys.
-    Chapter 03.
-
-    Args:
-        T_q: number of queries.
-        T_k: number of keys (defaults to ``T_q``); must be ``>= T_q``.
-        device: where to create the mask.
-
-    Returns:
-        Boolean tensor of shape ``(T_q, T_k)``, ``True`` = may attend.
+    Query ``i`` sits at absolute position ``T_k - T_q + i`` and may attend to every key at
+    or before it. With ``T_q == T_k`` this is the lower triangle; with ``T_q < T_k``
+    (decoding with a KV cache) a top-left triangle would hide keys. Chapter 03.
 
     Raises:
-        ValueError: if a length is not a positive integer or ``T_q > T_k``.
+        ValueError: a length that is not an integer >= 0, or ``T_q > T_k``.
     """
     T_k = T_q if T_k is None else T_k
     _check_length("T_q", T_q)
@@ -120,31 +162,190 @@ def causal_mask(T_q: int, T_k: int | None = None, device: torch.device | str | N
 
 
 def padding_mask(lengths: torch.Tensor | list[int], T: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Key padding mask from sequence lengths: key ``j`` of sequence ``b`` is real iff ``j < lengths[b]``.
+    """Key padding mask ``(B, T)`` from sequence lengths: ``True`` where key ``j < lengths[b]`` is a real token.
 
-    Chapter 03. Combine with a causal mask by ``&``:
-    ``causal_mask(T) & padding_mask(lengths, T)`` has shape ``(B, T, T)``.
-
-    Args:
-        lengths: integer tensor or list of shape ``(B,)``, each in ``[0, T]``.
-        T: padded length of the key sequence.
-        device: where to create the mask (defaults to the device of ``lengths``).
-
-    Returns:
-        Boolean tensor of shape ``(B, 1, T)``: it broadcasts against single-head
-        scores ``(B, T_q, T)``; use ``.unsqueeze(1)`` for ``(B, n_heads, T_q, T)``.
+    ``nn.MultiheadAttention``'s ``key_padding_mask`` uses the opposite convention (``True`` =
+    ignore): pass ``~padding_mask(...)`` there. For scores ``(B, n_heads, T_q, T)`` use
+    ``padding_mask(...)[:, None, None, :]``; for single-head scores ``(B, T_q, T)``,
+    ``[:, None, :]``. Chapter 03.
 
     Raises:
-        ValueError: if ``T`` is not positive, ``lengths`` is not 1-D, or a length is outside ``[0, T]``.
-        TypeError: if ``lengths`` is not integer.
+        TypeError: ``lengths`` not integer.
+        ValueError: ``T < 0``, ``lengths`` not 1-D, or a length outside ``[0, T]``.
     """
     _check_length("T", T)
     lengths = torch.as_tensor(lengths, device=device)
-    if lengths.is_floating_point() or lengths.dtype == torch.bool:
+    if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
         raise TypeError(f"lengths must be integers; got dtype {lengths.dtype}")
     if lengths.dim() != 1:
         raise ValueError(f"lengths must be 1-D of shape (B,); got shape {tuple(lengths.shape)}")
     if ((lengths < 0) | (lengths > T)).any():
         raise ValueError(f"every length must be in [0, T={T}]; got {lengths.tolist()}")
-    positions = torch.arange(T, device=lengths.device)
-    return (positions[None, :] < lengths[:, None]).unsqueeze(1)  # (B, T) -> (B, 1, T)
+    return torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]  # (1, T) < (B, 1) -> (B, T)
+
+
+def _indices(shape: torch.Size, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Broadcastable ``b, h, q_idx, kv_idx`` index tensors for scores of ``shape`` (``q_idx`` absolute)."""
+    T_q, T_k = shape[-2], shape[-1]
+    n = len(shape)
+    lead = [torch.arange(s, device=device).view(*([1] * i), s, *([1] * (n - 1 - i))) for i, s in enumerate(shape[:-2])]
+    q_idx = torch.arange(T_k - T_q, T_k, device=device).view(*([1] * (n - 2)), T_q, 1)
+    kv_idx = torch.arange(T_k, device=device).view(*([1] * (n - 1)), T_k)
+    b = lead[0] if n >= 3 else torch.zeros((), dtype=torch.long, device=device)
+    h = lead[1] if n >= 4 else torch.zeros((), dtype=torch.long, device=device)
+    return b, h, q_idx, kv_idx
+
+
+def mask_from_mod(mask_mod: Callable[..., torch.Tensor], shape: tuple[int, ...], device=None) -> torch.Tensor:
+    """A boolean mask of ``shape`` ``(B, n_heads, T_q, T_k)`` from a FlexAttention mask function.
+
+    ``mask_mod(b, h, q_idx, kv_idx) -> bool`` says whether query ``q_idx`` may see key
+    ``kv_idx``; it is called once on broadcastable index tensors (``q_idx`` counts from
+    ``T_k - T_q``, as a cached decode does), like ``torch.nn.attention.flex_attention.create_mask``.
+    Example: the causal mask is ``mask_from_mod(lambda b, h, q, kv: q >= kv, (1, 1, T, T))``.
+
+    Raises:
+        TypeError: ``mask_mod`` not callable or not returning a boolean tensor.
+        ValueError: ``shape`` not four non-negative integers with ``T_q <= T_k``.
+    """
+    if not callable(mask_mod):
+        raise TypeError(f"mask_mod must be callable (b, h, q_idx, kv_idx) -> bool; got {mask_mod!r}")
+    if len(shape) != 4:
+        raise ValueError(f"shape must be (B, n_heads, T_q, T_k); got {shape!r}")
+    for name, s in zip(("B", "n_heads", "T_q", "T_k"), shape):
+        _check_length(name, s)
+    if shape[2] > shape[3]:
+        raise ValueError(f"T_q={shape[2]} > T_k={shape[3]} in shape {shape!r}")
+    out = mask_mod(*_indices(torch.Size(shape), torch.device(device or "cpu")))
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+        raise TypeError(f"mask_mod must return a boolean tensor; got {getattr(out, 'dtype', type(out).__name__)}")
+    return out.expand(shape)
+
+
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax`` over the last dim with masked entries (``mask`` False) exactly 0 and empty rows all 0.
+
+    A row whose every key is masked has nothing to attend to: ``softmax`` of all ``-inf``
+    would be NaN; here it is zeros (and so is its gradient). Chapter 03.
+
+    Args:
+        scores: float ``(..., T_q, T_k)``.
+        mask: optional bool broadcastable to ``scores``, ``True`` = keep.
+    """
+    if mask is None:
+        return torch.softmax(scores, dim=-1)
+    empty = ~mask.any(dim=-1, keepdim=True)  # (..., T_q, 1): rows with nothing to attend to
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return weights.masked_fill(empty, 0.0) if empty.any() else weights
+
+
+def combined_mask(mask: torch.Tensor | None, is_causal: bool, T_q: int, T_k: int, device) -> torch.Tensor | None:
+    """The caller's bool ``mask`` ``&`` the bottom-right causal mask when ``is_causal``; ``None`` if neither."""
+    if not is_causal:
+        return mask
+    causal = ~_future(T_q, T_k, torch.device(device))
+    return causal if mask is None else mask & causal
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    score_mod: ScoreMod | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention written out: ``softmax(q kᵀ · scale) v`` (the ``"eager"`` function).
+
+    Vaswani et al. 2017, §3.2.1 (derived in chapter 02, masked in chapter 03). ``q`` is
+    scaled before the product (``T·d`` multiplications instead of ``T²``, and no float16
+    overflow that SDPA would not also have); masking writes into the fresh scores in place.
+
+    Args:
+        q: queries ``(..., T_q, head_dim)``; for 4-D inputs ``(B, n_heads, T_q, head_dim)``.
+        k: keys ``(..., T_k, head_dim)``; 4-D: ``(B, n_kv_heads, T_k, head_dim)``, ``n_kv_heads``
+            dividing ``n_heads``: each group of ``n_heads // n_kv_heads`` query heads reads one
+            key/value head in place (grouped-query attention, chapter 06; no copy of K/V).
+        v: values ``(..., T_k, head_dim_v)``, like ``k``.
+        mask: optional bool of the scores' rank ``(..., T_q, T_k)`` (dims 1 or equal), ``True`` = may attend.
+        is_causal: add the bottom-right causal mask.
+        scale: multiplies the scores; default ``1 / sqrt(head_dim)``.
+        dropout_p: probability of zeroing a weight (whenever > 0: pass 0.0 at evaluation).
+        score_mod: FlexAttention-style ``(scores, b, h, q_idx, kv_idx) -> scores`` before masking.
+
+    Returns:
+        ``(output (..., T_q, head_dim_v), weights (..., T_q, T_k))``, the weights after
+        dropout. A query with nothing to attend to gets zero weights and a zero output, never NaN.
+
+    Raises:
+        TypeError / ValueError: see :func:`check_attention_inputs`.
+    """
+    check_attention_inputs(q, k, v, mask, is_causal, scale, dropout_p, score_mod)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    T_q, T_k = q.shape[-2], k.shape[-2]
+    group = q.shape[1] // k.shape[1] if q.dim() == 4 else 1
+    if group > 1:  # fold each group of query heads into the query axis: K/V heads are read as they are
+        B, H = q.shape[:2]
+        q = q.reshape(B, k.shape[1], group * T_q, q.shape[-1])  # (B, H, T_q, d) -> (B, n_kv, group*T_q, d)
+    scores = (q * scale) @ k.transpose(-2, -1)  # (..., T_q, d) @ (..., d, T_k) -> (..., T_q, T_k)
+    if group > 1:
+        scores = scores.view(B, H, T_q, T_k)  # back to one row block per query head (a view)
+    if score_mod is not None:
+        scores = score_mod(scores, *_indices(scores.shape, scores.device))
+    full = combined_mask(mask, is_causal, T_q, T_k, scores.device)
+    if full is None:
+        weights = torch.softmax(scores, dim=-1)
+    elif mask is None:  # causal only: no row is empty; fill the fresh scores in place
+        future = _future(T_q, T_k, scores.device)
+        # In place on the fresh product (matmul's backward does not need it); a score_mod's output may be saved.
+        scores = scores.masked_fill_(future, float("-inf")) if score_mod is None else scores.masked_fill(future, float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+    else:
+        weights = masked_softmax(scores, full)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    if group > 1:
+        out = weights.view(B, k.shape[1], group * T_q, T_k) @ v  # (B, n_kv, g*T_q, T_k) @ (B, n_kv, T_k, d_v)
+        return out.view(B, H, T_q, v.shape[-1]), weights
+    return weights @ v, weights  # (..., T_q, T_k) @ (..., T_k, d_v) -> (..., T_q, d_v)
+
+
+def sdpa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    score_mod: ScoreMod | None = None,
+) -> tuple[torch.Tensor, None]:
+    """:func:`attention` through ``F.scaled_dot_product_attention`` (the ``"sdpa"`` function); no weights.
+
+    Same arguments, checks and results as :func:`attention` (grouped K/V heads through
+    SDPA's ``enable_gqa``; rows with nothing to attend to give zeros, not NaN). SDPA's
+    fused ``is_causal`` is used where it is right (``T_q == T_k`` without another mask);
+    otherwise the bottom-right causal mask is passed explicitly.
+
+    Raises:
+        TypeError / ValueError: see :func:`check_attention_inputs`; a ``score_mod``
+            (SDPA cannot modify scores: use the ``"eager"`` or ``"tiled"`` function).
+    """
+    check_attention_inputs(q, k, v, mask, is_causal, scale, dropout_p, score_mod)
+    if score_mod is not None:
+        raise ValueError("sdpa_attention cannot apply a score_mod; use attn_fn='eager' or 'tiled'")
+    T_q, T_k = q.shape[-2], k.shape[-2]
+    gqa = q.dim() == 4 and q.shape[1] != k.shape[1]
+    kwargs = dict(dropout_p=dropout_p, scale=scale, enable_gqa=gqa) if gqa else dict(dropout_p=dropout_p, scale=scale)
+    if mask is None and (not is_causal or T_q == T_k):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, **kwargs), None
+    full = combined_mask(mask, is_causal, T_q, T_k, q.device)
+    empty = ~full.any(dim=-1, keepdim=True)  # rows with nothing to attend to (only a caller's mask makes them)
+    if mask is not None and empty.any():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=full | empty, **kwargs)  # no all-masked row
+        return out.masked_fill(empty, 0.0), None
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=full, **kwargs), None

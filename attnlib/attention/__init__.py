@@ -1,44 +1,34 @@
-"""Attention modules and the registry that lets a :class:`attnlib.GPTConfig` choose one.
+"""Attention: the functions (one signature, by name) and the modules built on them.
 
-``ATTENTION_REGISTRY`` maps a name to a class built as ``cls(config)`` that maps
-``(B, T, d_model)`` → ``(B, T, d_model)`` causally; each class also has a
-``kv_cache_size(config)``: the numbers a KV cache keeps per token and layer.
+:data:`ATTENTION_FUNCTIONS` maps ``"eager"``, ``"sdpa"``, ``"tiled"`` to functions
+``(q, k, v, mask=None, *, is_causal, scale, dropout_p, score_mod) -> (output, weights)``;
+:data:`ATTENTION_REGISTRY` maps a :class:`attnlib.GPTConfig`'s ``attention`` name to a
+builder of the layer.
 """
-from attnlib.attention.cross import CrossAttention
-from attnlib.attention.grouped_query import KV_SHARING, GroupedQueryAttention, MultiQueryAttention
+from attnlib.attention.functions import ATTENTION_FUNCTIONS, get_attention_function
 from attnlib.attention.latent import MultiHeadLatentAttention
-from attnlib.attention.multi_head import BACKENDS, AttentionBase, CausalSelfAttention, MultiHeadAttention
+from attnlib.attention.multi_head import KV_SHARING, MultiHeadAttention
+from attnlib.attention.registry import ATTENTION_REGISTRY, build_attention
 from attnlib.attention.talking_heads import BiasedTalkingHeadsAttention, TalkingHeadsAttention
 from attnlib.attention.target import TargetAttention
 from attnlib.attention.teaching import CausalAttention, MultiHeadAttentionWrapper, SelfAttentionV1, SelfAttentionV2
 from attnlib.attention.tiled import online_softmax, online_softmax_update, tiled_attention
 
-ATTENTION_REGISTRY: dict[str, type[AttentionBase]] = {
-    "mha": CausalSelfAttention,
-    "talking_heads": TalkingHeadsAttention,
-    "mqa": MultiQueryAttention,
-    "gqa": GroupedQueryAttention,
-    "mla": MultiHeadLatentAttention,
-}
-
 __all__ = [
+    "ATTENTION_FUNCTIONS",
     "ATTENTION_REGISTRY",
-    "BACKENDS",
     "KV_SHARING",
-    "AttentionBase",
     "BiasedTalkingHeadsAttention",
     "CausalAttention",
-    "CausalSelfAttention",
-    "CrossAttention",
-    "GroupedQueryAttention",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
     "MultiHeadLatentAttention",
-    "MultiQueryAttention",
     "SelfAttentionV1",
     "SelfAttentionV2",
     "TalkingHeadsAttention",
     "TargetAttention",
+    "build_attention",
+    "get_attention_function",
     "online_softmax",
     "online_softmax_update",
     "tiled_attention",

@@ -16,23 +16,22 @@ this model uses learned absolute positions and needs none.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
-from attnlib.attention.multi_head import AttentionBase
-from attnlib.config import GPTConfig
-from attnlib.functional import attention
+from attnlib._checks import positive_int
+from attnlib.attention.multi_head import MultiHeadAttention
 
 __all__ = ["MultiHeadLatentAttention"]
 
 
-class MultiHeadLatentAttention(AttentionBase):
-    """Causal multi-head latent attention (registry name ``"mla"``).
+class MultiHeadLatentAttention(MultiHeadAttention):
+    """Multi-head latent attention (registry name ``"mla"``): :class:`MultiHeadAttention` whose
+    ``project`` step decodes keys and values from a cached latent.
 
     Args:
-        config: uses ``d_model, n_heads, kv_latent_dim, block_size, dropout, bias``.
+        d_model, n_heads, block_size, dropout, bias, causal, attn_fn: as :class:`MultiHeadAttention`.
+        kv_latent_dim: width ``d_c`` of the latent ``c = W^DKV x``, the only thing cached.
         absorb: compute attention against the latents with ``W^UK`` / ``W^UV`` folded
             into the query and output sides (equal to the naive path; the inference form).
 
@@ -41,44 +40,59 @@ class MultiHeadLatentAttention(AttentionBase):
         kv_down: ``nn.Linear(d_model, d_c, bias=False)``: the latent, ``W^DKV``.
         k_up, v_up: ``nn.Linear(d_c, d_model, bias=False)``: ``W^UK``, ``W^UV``.
         out_proj: ``nn.Linear(d_model, d_model)``: ``W^O``.
+        cache_width: ``d_c`` numbers per token (DeepSeek-V2 Table 1, without RoPE's ``d_h^R``).
 
     Shapes:
         ``(B, T, d_model)`` → ``(B, T, d_model)``; the latent is ``(B, T, d_c)``.
     """
 
-    def __init__(self, config: GPTConfig, absorb: bool = False) -> None:
-        super().__init__(config.d_model, config.n_heads, config.block_size, config.dropout, config.bias, causal=True)
-        self.kv_latent_dim = config.kv_latent_dim
-        self.absorb = absorb
-        self.q_proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
-        self.kv_down = nn.Linear(config.d_model, config.kv_latent_dim, bias=False)
-        self.k_up = nn.Linear(config.kv_latent_dim, config.d_model, bias=False)
-        self.v_up = nn.Linear(config.kv_latent_dim, config.d_model, bias=False)
-        self.out_proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        kv_latent_dim: int,
+        *,
+        block_size: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        causal: bool = True,
+        attn_fn: str = "sdpa",
+        absorb: bool = False,
+    ) -> None:
+        positive_int("kv_latent_dim", kv_latent_dim)
+        if not isinstance(absorb, bool):
+            raise TypeError(f"absorb must be a bool; got {absorb!r}")
+        self.kv_latent_dim, self.absorb = kv_latent_dim, absorb
+        super().__init__(d_model, n_heads, block_size=block_size, dropout=dropout, bias=bias, causal=causal, attn_fn=attn_fn)
+
+    def build_projections(self, bias: bool) -> None:
+        self.q_proj = nn.Linear(self.d_model, self.d_model, bias=bias)
+        self.kv_down = nn.Linear(self.d_model, self.kv_latent_dim, bias=False)
+        self.k_up = nn.Linear(self.kv_latent_dim, self.d_model, bias=False)
+        self.v_up = nn.Linear(self.kv_latent_dim, self.d_model, bias=False)
+
+    @property
+    def cache_width(self) -> int:
+        """Numbers cached per token: the latent, ``d_c = kv_latent_dim``."""
+        return self.kv_latent_dim
 
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """The cached quantity ``c = W^DKV x``: ``(B, T, d_model)`` → ``(B, T, d_c)``."""
         return self.kv_down(x)
 
-    def project(self, x: torch.Tensor, cache=None):
-        q = self.split_heads(self.q_proj(x))  # (B, n_heads, T, head_dim)
-        c = self.latent(x)  # (B, T, d_c)
+    def project(self, x, context=None, cache=None):
+        source = x if context is None else context
+        q = self.split_heads(self.q_proj(x), self.n_heads)  # (B, n_heads, T, head_dim)
+        c = self.latent(source)  # (B, T_k, d_c)
         if cache is not None:
             (c,) = cache.update(c=c)  # only the latent: d_c numbers per token
-        if not self.absorb:
-            return q, self.split_heads(self.k_up(c)), self.split_heads(self.v_up(c))  # decode K and V per head
+        if not self.absorb:  # decode K and V per head
+            return q, self.split_heads(self.k_up(c), self.n_heads), self.split_heads(self.v_up(c), self.n_heads)
         w_uk = self.k_up.weight.view(self.n_heads, self.head_dim, self.kv_latent_dim)  # (n_heads, hd, d_c)
         q_latent = torch.einsum("bhtd,hdc->bhtc", q, w_uk)  # W^UK_h^T q_h: (B, n_heads, T, d_c)
-        c = c.unsqueeze(1)  # (B, 1, T, d_c): one latent shared by all heads, as keys and as values
+        c = c.unsqueeze(1)  # (B, 1, T_k, d_c): one latent shared by all heads, as keys and as values
+        # The scores q_h . k_h live in head_dim: self.scale stays 1/sqrt(head_dim), not 1/sqrt(d_c).
         return q_latent, c, c
-
-    def attend(self, q, k, v, mask, need_weights):
-        if not self.absorb:
-            return super().attend(q, k, v, mask, need_weights)
-        full = self.full_mask(mask, q.shape[-2], k.shape[-2], q.device)
-        dropout_p = self.dropout if self.training else 0.0
-        # Scores are q_h . k_h, which live in head_dim: the scale stays 1/sqrt(head_dim), not 1/sqrt(d_c).
-        return attention(q, k, v, mask=full, dropout_p=dropout_p, scale=1.0 / math.sqrt(self.head_dim))
 
     def merge(self, y: torch.Tensor) -> torch.Tensor:
         if not self.absorb:
@@ -89,8 +103,3 @@ class MultiHeadLatentAttention(AttentionBase):
         w_absorbed = torch.einsum("hdc,mhd->hcm", w_uv, w_o)  # (n_heads, d_c, d_model)
         out = torch.einsum("bhtc,hcm->btm", y, w_absorbed)  # (B, T, d_model)
         return out if self.out_proj.bias is None else out + self.out_proj.bias
-
-    @staticmethod
-    def kv_cache_size(config: GPTConfig) -> int:
-        """Numbers cached per token per layer: the latent, ``d_c = kv_latent_dim`` (DeepSeek-V2 Table 1, without RoPE's ``d_h^R``)."""
-        return config.kv_latent_dim

@@ -1,217 +1,245 @@
-"""Batched multi-head attention, the template every attention variant fills in, and the GPT's ``"mha"``.
+"""Multi-head attention: one module for MHA, GQA, MQA and cross-attention.
 
-:class:`AttentionBase` fixes the pipeline ``project → attend → merge`` (labml's
-hook pattern): a variant overrides the step it changes and nothing else. Talking
-heads changes ``attend``; grouped-query attention changes ``project`` and
-``attend``; latent attention changes ``project`` (and ``merge`` when absorbed).
+``project → attend → merge``: queries, keys and values from one fused projection;
+an attention function from :data:`attnlib.attention.ATTENTION_FUNCTIONS`; the heads
+concatenated through an output projection (Vaswani et al. 2017, §3.2.2; chapter 04).
+``n_kv_heads < n_heads`` lets groups of query heads share key/value heads (GQA,
+Ainslie et al. 2023; ``n_kv_heads = 1`` is MQA, Shazeer 2019; chapter 06); a
+``context`` makes it cross-attention (§3.2.3; chapter 09). Talking heads and
+multi-head latent attention are subclasses that change one step each.
 """
 from __future__ import annotations
 
+import math
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from attnlib._checks import divisible, float_input, positive_int, probability
+from attnlib._checks import divisible, positive_int, probability
+from attnlib.attention.functions import ATTENTION_FUNCTIONS
 from attnlib.cache import LayerCache
-from attnlib.config import GPTConfig
-from attnlib.functional import attention, causal_mask
 
-__all__ = ["BACKENDS", "AttentionBase", "CausalSelfAttention", "MultiHeadAttention"]
+__all__ = ["KV_SHARING", "MultiHeadAttention"]
 
-BACKENDS = ("eager", "sdpa")
+#: How a group of query heads reads its shared key/value head: ``"fold"`` hands the shared heads to
+#: the attention function, which reads them in place (no copy); ``"repeat_interleave"`` copies each
+#: K/V head once per query head of its group first (simple, but the copies cost memory). Equal outputs.
+KV_SHARING = ("fold", "repeat_interleave")
 
 
-class AttentionBase(nn.Module):
-    """Self-attention as three steps a variant can override: ``project``, ``attend``, ``merge``.
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with ``n_kv_heads`` key/value heads, optionally over a ``context``.
 
     Args:
-        d_model: width of input and output; ``head_dim = d_model // n_heads``.
-        n_heads: number of query heads.
-        block_size: longest sequence accepted (``None``: no limit).
-        dropout: dropout on the attention weights and on the output (training only).
-        bias: whether the output projection (and the variant's projections) have biases.
-        causal: whether query ``t`` may only see keys ``<= t``.
-        backend: ``"eager"`` (:func:`attnlib.functional.attention`: readable, returns the
-            weights) or ``"sdpa"`` (:func:`torch.nn.functional.scaled_dot_product_attention`: fast).
+        d_model: width of the input and output; ``head_dim = d_model // n_heads``.
+        n_heads: query heads.
+        n_kv_heads: key/value heads, dividing ``n_heads`` (default ``n_heads``: MHA; 1: MQA).
+        block_size: the longest sequence (cached positions included) accepted; ``None``: no limit.
+        dropout: dropout on the attention weights and the output (training only), in [0, 1).
+        bias: biases on the projections.
+        causal: query ``t`` sees only keys ``<= t`` (self-attention only).
+        attn_fn: ``"sdpa"`` (fast), ``"eager"`` (readable, what the book derives) or ``"tiled"``.
+        kv_sharing: one of :data:`KV_SHARING`.
+
+    Attributes:
+        qkv: ``nn.Linear(d_model, (n_heads + 2 · n_kv_heads) · head_dim)``; rows ``[W_q; W_k; W_v]``
+            (with ``n_kv_heads == n_heads``, ``nn.MultiheadAttention.in_proj_weight``'s layout).
+        out_proj: ``nn.Linear(d_model, d_model)``.
+        cache_width: numbers a KV cache keeps per token for this layer, ``2 · n_kv_heads · head_dim``.
 
     Raises:
-        ValueError / TypeError: a bad size, ``d_model`` not divisible by ``n_heads``, an unknown backend.
+        TypeError / ValueError: a size that is not a positive int, ``d_model`` not divisible by
+            ``n_heads`` or ``n_heads`` by ``n_kv_heads``, ``dropout`` outside [0, 1), an unknown
+            ``attn_fn`` or ``kv_sharing``; the message names the value.
     """
+
+    #: Whether a mask may differ between heads (talking heads mixes heads, so it cannot honour one).
+    per_head_masks = True
 
     def __init__(
         self,
         d_model: int,
         n_heads: int,
+        n_kv_heads: int | None = None,
+        *,
         block_size: int | None = None,
         dropout: float = 0.0,
         bias: bool = True,
         causal: bool = True,
-        backend: str = "sdpa",
+        attn_fn: str = "sdpa",
+        kv_sharing: str = "fold",
     ) -> None:
         super().__init__()
-        positive_int("d_model", d_model)
-        positive_int("n_heads", n_heads)
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        for name, value in (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+            positive_int(name, value)
         divisible("d_model", d_model, "n_heads", n_heads)
+        divisible("n_heads", n_heads, "n_kv_heads", n_kv_heads)
         if block_size is not None:
             positive_int("block_size", block_size)
         probability("dropout", dropout)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
-        self.block_size, self.dropout, self.causal, self.backend = block_size, dropout, causal, backend
+        for name, value in (("bias", bias), ("causal", causal)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool; got {value!r}")
+        if attn_fn not in ATTENTION_FUNCTIONS:
+            raise ValueError(f"attn_fn={attn_fn!r} is not one of {sorted(ATTENTION_FUNCTIONS)}")
+        if kv_sharing not in KV_SHARING:
+            raise ValueError(f"kv_sharing={kv_sharing!r} is not one of {KV_SHARING}")
+        self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
+        self.head_dim = d_model // n_heads
+        self.block_size, self.dropout, self.causal = block_size, dropout, causal
+        self.attn_fn, self.kv_sharing = attn_fn, kv_sharing
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.build_projections(bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)  # created last: init order as in nanoGPT
         self.resid_dropout = nn.Dropout(dropout)
-        # Subclasses create their input projections, then ``self.out_proj`` (d_model -> d_model), in that
-        # order, so that parameters are registered (and randomly initialised) input first, as in nanoGPT.
 
-    def split_heads(self, x: torch.Tensor, n_heads: int | None = None) -> torch.Tensor:
-        """``(B, T, n_heads * head_dim)`` → ``(B, n_heads, T, head_dim)``."""
+    def build_projections(self, bias: bool) -> None:
+        """Create the input projections (a subclass that projects differently overrides this and :meth:`project`)."""
+        self.qkv = nn.Linear(self.d_model, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=bias)
+
+    @property
+    def cache_width(self) -> int:
+        """Numbers cached per token: a key and a value for each of the ``n_kv_heads`` heads."""
+        return 2 * self.n_kv_heads * self.head_dim
+
+    def cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes a KV cache keeps per token for this layer, in ``dtype`` (default: the parameters')."""
+        dtype = dtype or self.out_proj.weight.dtype
+        return self.cache_width * torch.empty((), dtype=dtype).element_size()
+
+    def split_heads(self, x: torch.Tensor, n_heads: int) -> torch.Tensor:
+        """``(B, T, n_heads · width)`` → ``(B, n_heads, T, width)``."""
         B, T, _ = x.shape
-        n_heads = n_heads or self.n_heads
-        return x.view(B, T, n_heads, -1).transpose(1, 2)  # (B, T, n_heads*hd) -> (B, n_heads, T, hd)
+        return x.view(B, T, n_heads, -1).transpose(1, 2)  # (B, T, n_heads*w) -> (B, n_heads, T, w)
 
     def project(
-        self, x: torch.Tensor, cache: LayerCache | None = None
+        self, x: torch.Tensor, context: torch.Tensor | None = None, cache: LayerCache | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries ``(B, n_heads, T_new, width)``; keys and values ``(B, heads, T_k, width)``.
+        """Queries ``(B, n_heads, T, head_dim)``; keys and values ``(B, n_kv_heads, T_k, head_dim)``.
 
-        With a ``cache``, the variant stores what it needs of the new positions and
-        returns keys and values for every cached position (``T_k = cache.length``).
+        Keys and values come from ``context`` when given (cross-attention), else from ``x``.
+        With a ``cache`` the new keys and values are appended and every cached one returned.
         """
-        raise NotImplementedError
+        q_width, kv_width = self.d_model, self.n_kv_heads * self.head_dim
+        if context is None:
+            q, k, v = self.qkv(x).split([q_width, kv_width, kv_width], dim=-1)  # (B, T, q_width + 2 kv_width)
+        else:  # the same fused weight, its query rows on x and its key/value rows on the context
+            w, b = self.qkv.weight, self.qkv.bias
+            q = nn.functional.linear(x, w[:q_width], None if b is None else b[:q_width])
+            k, v = nn.functional.linear(context, w[q_width:], None if b is None else b[q_width:]).split(kv_width, -1)
+        q, k, v = self.split_heads(q, self.n_heads), self.split_heads(k, self.n_kv_heads), self.split_heads(v, self.n_kv_heads)
+        if cache is not None:
+            k, v = cache.update(k=k, v=v)  # only the n_kv_heads shared heads: cache_width numbers per token
+        return q, k, v
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, need_weights: bool
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool, need_weights: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Weighted values ``(B, n_heads, T, head_dim)`` and, if asked or eager, the weights.
-
-        ``mask`` is the caller's mask only; the causal part is added here, as SDPA's
-        ``is_causal`` when there is no other mask (so a fused kernel can be used).
-        """
+        """Weighted values ``(B, n_heads, T_q, width)`` and the weights (when asked: the eager function)."""
+        if self.kv_sharing == "repeat_interleave" and k.shape[1] != q.shape[1]:
+            group = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(group, dim=1)  # (B, n_kv, T, hd) -> (B, n_heads, T, hd): copies
+            v = v.repeat_interleave(group, dim=1)
+        fn = ATTENTION_FUNCTIONS["eager" if need_weights else self.attn_fn]
         dropout_p = self.dropout if self.training else 0.0
-        if self.backend == "eager" or need_weights:
-            return attention(q, k, v, mask=self.full_mask(mask, q.shape[-2], k.shape[-2], q.device), dropout_p=dropout_p)
-        mask, is_causal = self.sdpa_mask(mask, q.shape[-2], k.shape[-2], q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal), None
-
-    def sdpa_mask(
-        self, mask: torch.Tensor | None, T_q: int, T_k: int, device: torch.device
-    ) -> tuple[torch.Tensor | None, bool]:
-        """``(attn_mask, is_causal)`` for SDPA: ``is_causal`` (which allows fused kernels) only where it is right.
-
-        SDPA's ``is_causal`` is aligned top-left: right for ``T_q == T_k`` without another
-        mask; in every other case (a caller's mask, decoding with ``T_q < T_k``) the
-        bottom-right :func:`causal_mask` is passed explicitly.
-        """
-        if self.causal and mask is None and T_q == T_k:
-            return None, True
-        return self.full_mask(mask, T_q, T_k, device), False
-
-    def full_mask(self, mask: torch.Tensor | None, T_q: int, T_k: int, device: torch.device) -> torch.Tensor | None:
-        """The caller's boolean mask ``&`` the causal mask (when causal); ``None`` if neither."""
-        if mask is not None and mask.dtype != torch.bool:
-            raise TypeError(f"mask must be a boolean tensor (True = may attend); got dtype {mask.dtype}")
-        if not self.causal:
-            return mask
-        causal = causal_mask(T_q, T_k, device=device)
-        return causal if mask is None else mask & causal
+        return fn(q, k, v, mask, is_causal=is_causal, scale=self.scale, dropout_p=dropout_p)
 
     def merge(self, y: torch.Tensor) -> torch.Tensor:
         """``(B, n_heads, T, head_dim)`` → ``(B, T, d_model)`` through the output projection."""
         B, _, T, _ = y.shape
         return self.out_proj(y.transpose(1, 2).reshape(B, T, self.d_model))  # (B, nh, T, hd) -> (B, T, d_model)
 
+    def check_inputs(self, x, context, mask, key_padding_mask, cache) -> torch.Tensor | None:
+        """Validate every argument of :meth:`forward` before any kernel runs; return the combined mask."""
+        weight = self.out_proj.weight
+        for name, t in (("x", x), ("context", context)):
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor of shape (B, T, d_model); got {type(t).__name__}")
+            if not t.is_floating_point():
+                raise TypeError(f"{name} must be a floating point tensor; got dtype {t.dtype}")
+            if t.dim() != 3 or t.shape[-1] != self.d_model:
+                raise ValueError(f"{name} must have shape (B, T, d_model={self.d_model}); got {tuple(t.shape)}")
+            if t.dtype != weight.dtype and not torch.is_autocast_enabled(t.device.type):
+                raise TypeError(f"{name} is {t.dtype} but the module's weights are {weight.dtype}; convert one of them")
+            if t.device != weight.device and weight.device.type != "meta":
+                raise ValueError(f"{name} is on {t.device} but the module's weights are on {weight.device}")
+        B, T_q = x.shape[0], x.shape[1]
+        if context is not None:
+            if self.causal:
+                raise ValueError("a causal layer attends over its own sequence; build it with causal=False for a context")
+            if cache is not None:
+                raise ValueError("cache is for self-attention; a context's keys and values are not cached here")
+            if context.shape[0] != B:
+                raise ValueError(f"x and context must have the same batch size; got {tuple(x.shape)} and {tuple(context.shape)}")
+            if context.shape[1] == 0 and T_q:
+                raise ValueError(f"context holds no positions; got shape {tuple(context.shape)}")
+        past = 0 if cache is None else cache.length
+        if cache is not None and not isinstance(cache, LayerCache):
+            raise TypeError(f"cache must be an attnlib.cache.LayerCache; got {type(cache).__name__}")
+        if self.block_size is not None and past + T_q > self.block_size:
+            raise ValueError(f"sequence length T={past + T_q} (cached {past} + new {T_q}) exceeds block_size={self.block_size}")
+        T_k = context.shape[1] if context is not None else past + T_q
+        if T_k == 0:
+            raise ValueError(f"x holds no positions and nothing is cached; got shape {tuple(x.shape)}")
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+                raise TypeError(f"mask must be a boolean tensor (True = may attend); got {getattr(mask, 'dtype', type(mask).__name__)}")
+            target = (B, self.n_heads, T_q, T_k)
+            if mask.dim() != 4 or any(m not in (1, s) for m, s in zip(mask.shape, target)):
+                raise ValueError(
+                    f"mask of shape {tuple(mask.shape)} must be 4-D and broadcast to (B, n_heads, T_q, T_k) = {target} "
+                    f"with each dim 1 or equal (a key padding mask goes in key_padding_mask=(B, T_k))"
+                )
+            if mask.shape[1] != 1 and not self.per_head_masks:
+                raise ValueError(f"{type(self).__name__} mixes heads and cannot honour a per-head mask; got {tuple(mask.shape)}")
+        if key_padding_mask is not None:
+            if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+                raise TypeError(
+                    "key_padding_mask must be a boolean tensor, True = a real token (nn.MultiheadAttention's "
+                    f"is the opposite); got {getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)}"
+                )
+            if tuple(key_padding_mask.shape) != (B, T_k):
+                raise ValueError(f"key_padding_mask must have shape (B, T_k) = {(B, T_k)}; got {tuple(key_padding_mask.shape)}")
+            keys = key_padding_mask[:, None, None, :]  # (B, T_k) -> (B, 1, 1, T_k): every head, every query
+            mask = keys if mask is None else mask & keys
+        return mask
+
     def forward(
         self,
         x: torch.Tensor,
+        context: torch.Tensor | None = None,
+        *,
         mask: torch.Tensor | None = None,
-        return_weights: bool = False,
+        key_padding_mask: torch.Tensor | None = None,
         cache: LayerCache | None = None,
+        return_weights: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Attend.
+        """Attend from ``x`` to itself (or to ``context``).
 
         Args:
-            x: ``(B, T, d_model)`` float: the new positions.
-            mask: optional boolean mask broadcastable to ``(B, n_heads, T, T_k)``,
-                ``True`` = may attend; combined with the causal mask by ``&``.
-            return_weights: also return the weights ``(B, n_heads, T, T_k)``
-                (always computed on the eager path).
-            cache: a :class:`attnlib.cache.LayerCache`: the new positions are appended to
-                it and attend to everything cached (``T_k`` = cached length, the causal
-                mask aligned bottom-right). Chapter 08.
+            x: ``(B, T, d_model)`` float, the module's dtype: the (new) positions.
+            context: optional ``(B, T_k, d_model)``: keys and values come from it (cross-attention;
+                the layer must be built with ``causal=False``).
+            mask: optional bool ``(B|1, n_heads|1, T, T_k)``, ``True`` = may attend; combined with
+                the causal mask and ``key_padding_mask`` by ``&``.
+            key_padding_mask: optional bool ``(B, T_k)``, ``True`` = a real token (the opposite of
+                ``nn.MultiheadAttention``'s convention).
+            cache: a :class:`attnlib.cache.LayerCache`: the new positions are appended and attend to
+                every cached one (``T_k`` = cached length; causal mask aligned bottom-right). Chapter 08.
+            return_weights: also return the weights ``(B, n_heads, T, T_k)`` (eager function).
 
         Returns:
-            ``(B, T, d_model)``, or ``(output, weights)`` when ``return_weights``.
+            ``(B, T, d_model)``, or ``(output, weights)`` with ``return_weights``. A query with
+            nothing to attend to (all keys masked) gets a zero attention output, never NaN.
 
         Raises:
-            TypeError / ValueError: ``x`` not a float tensor of shape ``(B, T, d_model)``,
-                ``T > block_size``, a full cache, or a mask that is not boolean.
+            TypeError / ValueError: see :meth:`check_inputs`; each names the argument and value.
         """
-        float_input(x, self.d_model, self.block_size)
-        if x.dim() != 3:
-            raise ValueError(f"expected input of shape (B, T, d_model={self.d_model}); got {tuple(x.shape)}")
-        q, k, v = self.project(x, cache)
-        y, weights = self.attend(q, k, v, mask, return_weights)
+        mask = self.check_inputs(x, context, mask, key_padding_mask, cache)
+        q, k, v = self.project(x, context, cache)
+        y, weights = self.attend(q, k, v, mask, self.causal and context is None, return_weights)
         y = self.resid_dropout(self.merge(y))
         return (y, weights) if return_weights else y
-
-
-class MultiHeadAttention(AttentionBase):
-    """Multi-head self-attention with all heads in one batched matmul.
-
-    One fused projection makes queries, keys and values for every head; the heads
-    run side by side as the ``n_heads`` dimension; an output projection mixes them.
-    Vaswani et al. 2017, §3.2.2; built in chapter 04. Arguments as :class:`AttentionBase`.
-
-    Attributes:
-        qkv: ``nn.Linear(d_model, 3 * d_model)``; its weight rows are
-            ``[W_q; W_k; W_v]``, the layout of ``nn.MultiheadAttention.in_proj_weight``.
-        out_proj: ``nn.Linear(d_model, d_model)``.
-
-    Shapes:
-        ``forward(x)``: ``(B, T, d_model)`` → ``(B, T, d_model)``.
-    """
-
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        block_size: int | None = None,
-        dropout: float = 0.0,
-        bias: bool = True,
-        causal: bool = True,
-        backend: str = "sdpa",
-    ) -> None:
-        super().__init__(d_model, n_heads, block_size, dropout, bias, causal, backend)
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
-
-    def project(self, x: torch.Tensor, cache: LayerCache | None = None):
-        q, k, v = self.qkv(x).split(self.d_model, dim=-1)  # (B, T, 3*d_model) -> 3 x (B, T, d_model)
-        q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)
-        if cache is not None:
-            k, v = cache.update(k=k, v=v)  # every head's keys and values: 2 * n_heads * head_dim per token
-        return q, k, v
-
-    @staticmethod
-    def kv_cache_size(config: GPTConfig) -> int:
-        """Numbers cached per token per layer: a key and a value for every head, ``2 · n_heads · head_dim``."""
-        return 2 * config.n_heads * config.head_dim
-
-
-class CausalSelfAttention(MultiHeadAttention):
-    """The GPT's attention layer (registry name ``"mha"``): causal :class:`MultiHeadAttention` on SDPA.
-
-    Built from a :class:`attnlib.GPTConfig` (uses ``d_model, n_heads,
-    block_size, dropout, bias``). Chapter 12.
-    """
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__(
-            config.d_model,
-            config.n_heads,
-            block_size=config.block_size,
-            dropout=config.dropout,
-            bias=config.bias,
-            causal=True,
-            backend="sdpa",
-        )

@@ -16,23 +16,23 @@ Where the mask goes decides whether the layer is causal:
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from attnlib.attention.multi_head import MultiHeadAttention
-from attnlib.config import GPTConfig
+from attnlib.functional import combined_mask, masked_softmax
 
 __all__ = ["BiasedTalkingHeadsAttention", "TalkingHeadsAttention"]
 
 
 class TalkingHeadsAttention(MultiHeadAttention):
-    """Causal talking-heads attention (registry name ``"talking_heads"``).
+    """Talking-heads attention (registry name ``"talking_heads"``): :class:`MultiHeadAttention` whose
+    ``attend`` step mixes the heads' logits and weights.
 
     Args:
-        config: uses ``d_model, n_heads, block_size, dropout, bias``.
+        d_model, n_heads, block_size, dropout, bias, causal: as :class:`MultiHeadAttention`
+            (one key/value head per query head; the eager computation, which yields the weights).
 
     Attributes:
         qkv, out_proj: as :class:`MultiHeadAttention`.
@@ -44,30 +44,37 @@ class TalkingHeadsAttention(MultiHeadAttention):
     Shapes:
         ``(B, T, d_model)`` → ``(B, T, d_model)``; weights ``(B, n_heads, T, T)``
         (after mixing, a row need not sum to 1).
+
+    Raises:
+        As :class:`MultiHeadAttention`; in ``forward``, a per-head mask (mixing would carry weight
+        from a head where a key is visible into one where it is masked).
     """
 
     post_softmax_bias = False
+    per_head_masks = False
 
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__(
-            config.d_model, config.n_heads, config.block_size, config.dropout, config.bias, causal=True, backend="eager"
-        )
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        *,
+        block_size: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        causal: bool = True,
+    ) -> None:
+        super().__init__(d_model, n_heads, block_size=block_size, dropout=dropout, bias=bias, causal=causal, attn_fn="eager")
         # nn.Parameter, not nn.Linear: the GPT's N(0, 0.02) init must not turn the identity into noise.
-        self.mix_logits = nn.Parameter(torch.eye(config.n_heads))
-        self.mix_weights = nn.Parameter(torch.eye(config.n_heads))
+        self.mix_logits = nn.Parameter(torch.eye(n_heads))
+        self.mix_weights = nn.Parameter(torch.eye(n_heads))
         if self.post_softmax_bias:
-            self.mix_weights_bias = nn.Parameter(torch.zeros(config.n_heads))
+            self.mix_weights_bias = nn.Parameter(torch.zeros(n_heads))
 
-    def attend(self, q, k, v, mask, need_weights):
-        T_q, T_k = q.shape[-2], k.shape[-2]
-        logits = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, nh, T_q, hd) @ (B, nh, hd, T_k)
+    def attend(self, q, k, v, mask, is_causal, need_weights):
+        logits = (q * self.scale) @ k.transpose(-2, -1)  # (B, nh, T_q, hd) @ (B, nh, hd, T_k) -> (B, nh, T_q, T_k)
         logits = torch.einsum("bhqk,gh->bgqk", logits, self.mix_logits)  # mix heads before the softmax
-        full = self.full_mask(mask, T_q, T_k, q.device)
-        if full is not None:
-            logits = logits.masked_fill(~full, float("-inf"))  # mask after mixing: no -inf enters a sum
-        weights = torch.softmax(logits, dim=-1)
-        if full is not None:
-            weights = weights.masked_fill(~full, 0.0)  # rows with nothing to attend to: zeros, not NaN
+        # Mask after mixing (no -inf enters a sum); rows with nothing to attend to get zeros, not NaN.
+        weights = masked_softmax(logits, combined_mask(mask, is_causal, q.shape[-2], k.shape[-2], q.device))
         weights = torch.einsum("bhqk,gh->bgqk", weights, self.mix_weights)  # mix after; masked weights stay 0
         if self.post_softmax_bias:
             weights = weights + self.mix_weights_bias.view(1, -1, 1, 1)  # every key, future ones too
@@ -85,7 +92,7 @@ class BiasedTalkingHeadsAttention(TalkingHeadsAttention):
 
     post_softmax_bias = True
 
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__(config)
+    def __init__(self, d_model: int, n_heads: int, **kwargs) -> None:
+        super().__init__(d_model, n_heads, **kwargs)
         with torch.no_grad():
             self.mix_weights_bias.fill_(0.01)  # any non-zero bias leaks; nn.Linear's default init is never 0

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from attnlib._checks import float_input, positive_int, probability
-from attnlib.functional import attention, causal_mask
+from attnlib.functional import attention
 
 __all__ = ["SelfAttentionV1", "SelfAttentionV2", "CausalAttention", "MultiHeadAttentionWrapper"]
 
@@ -109,8 +109,7 @@ class CausalAttention(SelfAttentionV2):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project(x)
-        mask = causal_mask(x.shape[-2], device=x.device)  # (T, T)
-        return attention(q, k, v, mask=mask, dropout_p=self.dropout if self.training else 0.0)[0]
+        return attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)[0]
 
 
 class MultiHeadAttentionWrapper(nn.Module):

@@ -1,0 +1,31 @@
+"""The attention functions by name (Hugging Face's ``AttentionInterface`` pattern).
+
+Every entry has one signature, ``fn(q, k, v, mask=None, *, is_causal=False, scale=None,
+dropout_p=0.0, score_mod=None) -> (output, weights or None)``; a module stores the name
+(``attn_fn="sdpa"``) and looks the function up when it attends.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from attnlib.attention.tiled import tiled_attention
+from attnlib.functional import attention, sdpa_attention
+
+__all__ = ["ATTENTION_FUNCTIONS", "get_attention_function"]
+
+ATTENTION_FUNCTIONS: dict[str, Callable] = {
+    "eager": attention,  # readable, returns the weights (chapters 02-04)
+    "sdpa": sdpa_attention,  # torch.nn.functional.scaled_dot_product_attention (fused kernels)
+    "tiled": tiled_attention,  # the online softmax, tile by tile (chapter 15)
+}
+
+
+def get_attention_function(name: str) -> Callable:
+    """The attention function registered as ``name``.
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    if name not in ATTENTION_FUNCTIONS:
+        raise ValueError(f"attn_fn={name!r} is not one of {sorted(ATTENTION_FUNCTIONS)}")
+    return ATTENTION_FUNCTIONS[name]
