@@ -234,9 +234,13 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None = None) -> to
     """
     if mask is None:
         return torch.softmax(scores, dim=-1)
+    logits = scores.masked_fill(~mask, float("-inf"))
     empty = ~mask.any(dim=-1, keepdim=True)  # (..., T_q, 1): rows with nothing to attend to
-    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return weights.masked_fill(empty, 0.0) if empty.any() else weights
+    if not empty.any():
+        return torch.softmax(logits, dim=-1)
+    # softmax(all -inf) would be NaN: give empty rows finite logits (any value), then zero every masked
+    # weight, so that neither the forward nor the backward pass meets a NaN.
+    return torch.softmax(logits.masked_fill(empty, 0.0), dim=-1).masked_fill(~mask, 0.0)
 
 
 def combined_mask(mask: torch.Tensor | None, is_causal: bool, T_q: int, T_k: int, device) -> torch.Tensor | None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from attnlib._checks import positive_int
+from attnlib.functional import masked_softmax
 
 __all__ = ["TARGET_ACTIVATIONS", "TARGET_MODES", "TargetAttention"]
 
@@ -146,10 +147,7 @@ class TargetAttention(nn.Module):
         scores = self.scores(candidate, behaviours)  # (B, T)
         if self.mode == "din":
             weights = scores.masked_fill(~mask, 0.0)
-        else:
-            # A row with no real behaviour would be softmax(all -inf) = NaN; give it finite logits instead
-            # (any value: its weights are zeroed just below), so neither forward nor backward sees a NaN.
-            logits = scores.masked_fill(~mask, float("-inf")).masked_fill(~mask.any(-1, keepdim=True), 0.0)
-            weights = torch.softmax(logits, dim=-1).masked_fill(~mask, 0.0)  # (B, T)
+        else:  # a row with no real behaviour gets zero weights, not NaN
+            weights = masked_softmax(scores, mask)  # (B, T)
         pooled = (weights.unsqueeze(1) @ behaviours).squeeze(1)  # (B, 1, T) @ (B, T, d) -> (B, 1, d) -> (B, d)
         return (pooled, weights) if return_weights else pooled
