@@ -110,8 +110,8 @@ class MultiHeadAttention(nn.Module):
 
     def split_heads(self, x: torch.Tensor, n_heads: int) -> torch.Tensor:
         """``(B, T, n_heads · width)`` → ``(B, n_heads, T, width)``."""
-        B, T, _ = x.shape
-        return x.view(B, T, n_heads, -1).transpose(1, 2)  # (B, T, n_heads*w) -> (B, n_heads, T, w)
+        B, T, width = x.shape
+        return x.view(B, T, n_heads, width // n_heads).transpose(1, 2)  # (B, T, n_heads*w) -> (B, n_heads, T, w)
 
     def project(
         self, x: torch.Tensor, context: torch.Tensor | None = None, cache: LayerCache | None = None
