@@ -6,19 +6,37 @@ answer. The check prints one verdict line and never raises:
 * ``Exercise 03.1: correct``
 * ``Exercise 03.1: not solved yet: <what to do>`` (the stub still raises ``NotImplementedError`` or returns ``None``)
 * ``Exercise 03.1: wrong: <hint>`` (the answer runs but gives the wrong result, or raises)
+* ``Exercise 03.1: checker error: <...>`` (the check itself failed, outside the learner's code:
+  a bug in attnlib's check, to report, not the learner's mistake)
+
+An exception counts as the learner's only when the learner's code is on its traceback (a frame
+of a function or class the answer is made of); one raised by the reference, the harness or
+torch called from the harness is a checker error.
+
+When the environment variable :data:`VERDICTS_ENV` names a file, :func:`grade` also appends
+each verdict there as one JSON line: ``python -m attnlib.book.exercises check`` reads its
+verdicts from that file, never from the text a notebook printed.
 """
 from __future__ import annotations
 
 import functools
+import inspect
+import json
+import os
+import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Verdict", "Wrong", "EXERCISES", "exercise", "grade", "expect", "expect_close", "CORRECT", "NOT_SOLVED", "WRONG"]
+__all__ = ["Verdict", "Wrong", "NotSolved", "EXERCISES", "exercise", "grade", "expect", "expect_close", "CORRECT", "NOT_SOLVED",
+           "WRONG", "CHECKER_ERROR", "VERDICTS_ENV"]
 
-CORRECT, NOT_SOLVED, WRONG = "correct", "not solved yet", "wrong"
+CORRECT, NOT_SOLVED, WRONG, CHECKER_ERROR = "correct", "not solved yet", "wrong", "checker error"
+
+#: Environment variable naming a JSON Lines file where :func:`grade` records every verdict.
+VERDICTS_ENV = "ATTNLIB_EXERCISE_VERDICTS"
 
 #: exercise id (``"03.1"``) -> grader; filled by the ``@exercise`` decorator in each chapter module.
 EXERCISES: dict[str, Callable[[Any], None]] = {}
@@ -26,6 +44,10 @@ EXERCISES: dict[str, Callable[[Any], None]] = {}
 
 class Wrong(Exception):
     """Raised by a grader when the answer runs but is not right; the message is the hint shown."""
+
+
+class NotSolved(NotImplementedError):
+    """Raised by a grader when the answer is still a stub (returns ``None``, changes nothing); the message says what to do."""
 
 
 @dataclass(frozen=True)
@@ -44,23 +66,89 @@ class Verdict:
         return self.status == CORRECT
 
 
+def _nested(code: types.CodeType) -> set[types.CodeType]:
+    """``code`` and the code of every function or lambda defined inside it."""
+    return {code}.union(*(_nested(c) for c in code.co_consts if isinstance(c, types.CodeType)))
+
+
+def _learner_code(answer: Any, seen: set[int] | None = None) -> set[types.CodeType]:
+    """The code objects ``answer`` is made of: its functions, methods and classes (and what they define inside)."""
+    seen = set() if seen is None else seen
+    if id(answer) in seen or len(seen) > 1000:
+        return set()
+    seen.add(id(answer))
+    if isinstance(answer, functools.partial):
+        return _learner_code(answer.func, seen)
+    if isinstance(answer, (list, tuple, set, frozenset)):
+        return set().union(*(_learner_code(a, seen) for a in answer))
+    if isinstance(answer, dict):
+        return set().union(*(_learner_code(a, seen) for a in answer.values()))
+    if isinstance(answer, (staticmethod, classmethod, types.MethodType)):
+        return _learner_code(answer.__func__, seen)
+    if isinstance(answer, property):
+        return set().union(*(_learner_code(f, seen) for f in (answer.fget, answer.fset) if f is not None))
+    if isinstance(answer, types.FunctionType):
+        return _nested(inspect.unwrap(answer).__code__)
+    codes: set[types.CodeType] = set()
+    for klass in (answer if inspect.isclass(answer) else type(answer)).__mro__:
+        if klass.__module__.split(".")[0] in ("builtins", "torch", "attnlib", "typing", "abc"):
+            continue  # the library's and Python's own classes are not the learner's code
+        for value in vars(klass).values():
+            if isinstance(value, (types.FunctionType, staticmethod, classmethod, property)):
+                codes |= _learner_code(value, seen)
+    return codes
+
+
+def _raised_by_learner(error: BaseException, answer: Any) -> bool:
+    """Whether the learner's code (the answer's functions or classes) is on ``error``'s traceback."""
+    codes = _learner_code(answer)
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in codes:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _record(verdict: Verdict) -> Verdict:
+    path = os.environ.get(VERDICTS_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(asdict(verdict)) + "\n")
+    return verdict
+
+
 def grade(exercise_id: str, answer: Any) -> Verdict:
-    """Run the grader of ``exercise_id`` on ``answer`` and return its :class:`Verdict` (never raises)."""
+    """Run the grader of ``exercise_id`` on ``answer`` and return its :class:`Verdict` (never raises).
+
+    An exception with the learner's code on its traceback is the learner's (``not solved yet``
+    for ``NotImplementedError``, else ``wrong: your code raised ...``); any other exception is
+    the check's own failure (``checker error``). Also records the verdict (see :data:`VERDICTS_ENV`).
+
+    Raises:
+        KeyError: no exercise ``exercise_id``.
+    """
     if exercise_id not in EXERCISES:
         raise KeyError(f"no exercise {exercise_id!r}; known: {sorted(EXERCISES)}")
     if answer is None:
-        return Verdict(exercise_id, NOT_SOLVED, "the answer is still None")
+        return _record(Verdict(exercise_id, NOT_SOLVED, "the answer is still None"))
     try:
         # A check draws its own test inputs; forking the RNG keeps the notebook's random state as it was.
         with torch.random.fork_rng(devices=[]):
             EXERCISES[exercise_id](answer)
-    except NotImplementedError as e:
-        return Verdict(exercise_id, NOT_SOLVED, str(e) or "the stub still raises NotImplementedError")
     except Wrong as e:
-        return Verdict(exercise_id, WRONG, str(e))
-    except Exception as e:  # the learner's code raised: report it, never crash the notebook
-        return Verdict(exercise_id, WRONG, f"your code raised {type(e).__name__}: {e}")
-    return Verdict(exercise_id, CORRECT)
+        return _record(Verdict(exercise_id, WRONG, str(e)))
+    except NotSolved as e:
+        return _record(Verdict(exercise_id, NOT_SOLVED, str(e)))
+    except Exception as e:  # never crash the notebook: say whose code failed
+        if not _raised_by_learner(e, answer):
+            return _record(Verdict(exercise_id, CHECKER_ERROR, (
+                f"the check itself failed with {type(e).__name__}: {e} (a bug in attnlib's check, "
+                "not in your code: please report it)")))
+        if isinstance(e, NotImplementedError):
+            return _record(Verdict(exercise_id, NOT_SOLVED, str(e) or "the stub still raises NotImplementedError"))
+        return _record(Verdict(exercise_id, WRONG, f"your code raised {type(e).__name__}: {e}"))
+    return _record(Verdict(exercise_id, CORRECT))
 
 
 def exercise(exercise_id: str) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:

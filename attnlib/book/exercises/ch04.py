@@ -17,7 +17,7 @@ import math
 import torch
 
 from attnlib.attention import MultiHeadAttention, MultiHeadAttentionWrapper
-from attnlib.book.exercises._core import Wrong, exercise, expect, expect_close
+from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect, expect_close
 from attnlib.functional import attention, causal_mask
 
 __all__ = ["check_split_into_heads", "check_mha_einsum", "check_mha_param_count"]
@@ -59,7 +59,7 @@ def check_split_into_heads(split_into_heads) -> None:
 
         wrapper = split_into_heads(mha)
         if wrapper is None:
-            raise NotImplementedError("return a MultiHeadAttentionWrapper, not None")
+            raise NotSolved("return a MultiHeadAttentionWrapper, not None")
         expect(
             isinstance(wrapper, MultiHeadAttentionWrapper),
             f"return an attnlib.MultiHeadAttentionWrapper; got {type(wrapper).__name__}",
@@ -140,7 +140,7 @@ def check_mha_einsum(mha_einsum) -> None:
         with torch.no_grad():
             got = mha_einsum(x, *weights, n_heads)
             if got is None:
-                raise NotImplementedError("return the output tensor of shape (B, T, d_model), not None")
+                raise NotSolved("return the output tensor of shape (B, T, d_model), not None")
             expect(isinstance(got, torch.Tensor), f"return a torch.Tensor; got {type(got).__name__}")
             expect(
                 tuple(got.shape) == (3, T, d_model),
@@ -211,7 +211,7 @@ def check_mha_param_count(mha_param_count) -> None:
     for d_model, n_heads, bias in _COUNT_CASES:
         got = mha_param_count(d_model, n_heads, bias)
         if got is None:
-            raise NotImplementedError("return the number of parameters as an int, not None")
+            raise NotSolved("return the number of parameters as an int, not None")
         expect(
             isinstance(got, int) and not isinstance(got, bool),
             f"return a Python int; got {type(got).__name__} (use int(...) if you computed a tensor or a float)",

@@ -17,8 +17,8 @@ from torch import nn
 
 from attnlib.attention.multi_head import MultiHeadAttention
 from attnlib.attention.talking_heads import BiasedTalkingHeadsAttention, TalkingHeadsAttention
-from attnlib.config import GPTConfig
 from attnlib.book.exercises._core import exercise, expect, expect_close
+from attnlib.config import GPTConfig
 from attnlib.functional import attention, causal_mask, padding_mask
 
 __all__ = ["check_talking_heads_weights", "check_leaking_positions", "check_convex_mix"]

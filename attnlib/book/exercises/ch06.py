@@ -23,8 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from attnlib.attention import ATTENTION_REGISTRY
+from attnlib.book.exercises._core import NotSolved, exercise, expect, expect_close
 from attnlib.config import GPTConfig
-from attnlib.book.exercises._core import exercise, expect, expect_close
 from attnlib.functional import causal_mask
 
 __all__ = ["check_repeat_kv", "check_gqa_attention", "check_kv_cache_bytes"]
@@ -79,7 +79,7 @@ def check_repeat_kv(repeat_kv) -> None:
         case = f"repeat_kv(k of shape {tuple(k.shape)}, n_rep={n_rep})"
         got = repeat_kv(k, n_rep)
         if got is None:
-            raise NotImplementedError("return the repeated tensor, not None")
+            raise NotSolved("return the repeated tensor, not None")
         expect(isinstance(got, torch.Tensor), f"return a torch.Tensor; got {type(got).__name__}")
         expect(torch.equal(k, before), f"{case} changed k in place; leave the input as it was")
         shape = (B, n_kv * n_rep, T, head_dim)
@@ -126,7 +126,7 @@ def check_gqa_attention(gqa_attention) -> None:
         with torch.no_grad():
             got = gqa_attention(q, k, v)
             if got is None:
-                raise NotImplementedError("return the attention output of shape (B, n_heads, T_q, head_dim), not None")
+                raise NotSolved("return the attention output of shape (B, n_heads, T_q, head_dim), not None")
             expect(isinstance(got, torch.Tensor), f"return a torch.Tensor; got {type(got).__name__}")
             shape = (B, n_heads, T_q, head_dim)
             expect(tuple(got.shape) == shape, f"{case}: output has shape {tuple(got.shape)}, expected {shape}")
@@ -184,15 +184,21 @@ def check_gqa_attention(gqa_attention) -> None:
 
 # ---------------------------------------------------------------- 06.3
 _CACHE_CASES = [  # (config, n_tokens, dtype)
-    (GPTConfig(block_size=64), 32, torch.float32),
+    (GPTConfig(block_size=64), 32, torch.float32),  # "mha", n_kv_heads not given: None
     (GPTConfig(block_size=128, n_kv_heads=2, attention="gqa"), 100, torch.bfloat16),
-    (GPTConfig(block_size=16, attention="mqa"), 7, torch.float16),
-    (GPTConfig(block_size=16, n_heads=6, d_model=48, n_kv_heads=2, attention="mha"), 16, torch.float32),  # ignores n_kv_heads
-    (GPTConfig(block_size=16, n_kv_heads=2, attention="mqa"), 5, torch.float32),  # "mqa" always has one
+    (GPTConfig(block_size=16, attention="mqa"), 7, torch.float16),  # n_kv_heads None, one kv head
+    (GPTConfig(block_size=16, n_heads=6, d_model=48, attention="gqa"), 16, torch.float32),  # "gqa" without n_kv_heads
+    (GPTConfig(block_size=16, n_kv_heads=1, attention="mqa"), 5, torch.float32),
     (GPTConfig(block_size=1024, n_layers=12, n_heads=12, d_model=768, n_kv_heads=4, attention="gqa"), 1024, torch.bfloat16),
     (GPTConfig(block_size=8, n_layers=2, n_heads=6, d_model=48, n_kv_heads=6, attention="gqa"), 3, torch.float64),
-    (GPTConfig(block_size=8, n_layers=3, n_heads=8, d_model=64, attention="mqa"), 1, torch.float32),
+    (GPTConfig(block_size=8, n_layers=3, n_heads=8, d_model=64, n_kv_heads=8, attention="mha"), 1, torch.float32),
 ]
+
+_KV_HEADS_HINT = {
+    "mha": "multi-head attention has one kv head per query head (n_heads)",
+    "mqa": "multi-query attention has exactly one kv head",
+    "gqa": "a \"gqa\" config without n_kv_heads has one kv head per query head (n_heads)",
+}
 
 
 def _measured_cache_bytes(config: GPTConfig, n_tokens: int, dtype: torch.dtype) -> int:
@@ -207,9 +213,19 @@ def _measured_cache_bytes(config: GPTConfig, n_tokens: int, dtype: torch.dtype) 
 def check_kv_cache_bytes(kv_cache_bytes) -> None:
     """Check ``kv_cache_bytes(config, n_tokens, dtype) -> int`` against the keys and values the layers produce."""
     for config, n_tokens, dtype in _CACHE_CASES:
-        got = kv_cache_bytes(config, n_tokens, dtype)
+        try:
+            got = kv_cache_bytes(config, n_tokens, dtype)
+        except TypeError as e:  # arithmetic on config.n_kv_heads = None
+            if config.n_kv_heads is None and "NoneType" in str(e):
+                expect(
+                    False,
+                    f"your code raised TypeError: {e}, for attention={config.attention!r} with n_kv_heads=None: "
+                    f"GPTConfig keeps its fields as given, and n_kv_heads was not given; "
+                    f"{_KV_HEADS_HINT[config.attention]}",
+                )
+            raise
         if got is None:
-            raise NotImplementedError("return the number of bytes as an int, not None")
+            raise NotSolved("return the number of bytes as an int, not None")
         expect(
             isinstance(got, int) and not isinstance(got, bool),
             f"return a Python int; got {type(got).__name__} (use int(...) if you computed a float or a tensor)",
@@ -227,18 +243,9 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
         expect(got != expected * 8, f"{case}, expected {expected:,}: that is bits; count bytes (dtype.itemsize)")
         element = torch.empty((), dtype=dtype).element_size()
         kv_heads = per_head // (2 * config.head_dim * element)
-        for heads, why in [
-            (config.n_heads, "n_heads"),
-            (config.n_kv_heads, "config.n_kv_heads"),
-            (1, "one kv head"),
-        ]:
-            if heads != kv_heads and got == 2 * heads * config.head_dim * element * config.n_layers * n_tokens:
-                hint = {
-                    "gqa": f'"gqa" layers have config.n_kv_heads={config.n_kv_heads} kv heads',
-                    "mqa": '"mqa" layers have exactly one kv head, whatever config.n_kv_heads says',
-                    "mha": f'"mha" layers have a kv head per query head (n_heads={config.n_heads}); '
-                    "they ignore config.n_kv_heads",
-                }[config.attention]
-                expect(False, f"{case}, expected {expected:,}: you used {why}; {hint}")
+        for heads, why in [(config.n_heads, "n_heads"), (config.n_kv_heads, "config.n_kv_heads"), (1, "one kv head")]:
+            if heads is not None and heads != kv_heads and got == 2 * heads * config.head_dim * element * config.n_layers * n_tokens:
+                given = _KV_HEADS_HINT[config.attention] if config.n_kv_heads is None else f"the config gives n_kv_heads={config.n_kv_heads}"
+                expect(False, f"{case}, expected {expected:,}: you used {why}; here the layers have {kv_heads}: {given}")
         expect(False, f"{case}, expected {expected:,} = 2 (K and V) x kv heads x head_dim x bytes per number x n_layers x n_tokens")
 

@@ -17,8 +17,8 @@ import math
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect, expect_close
 from attnlib.config import GPTConfig
-from attnlib.book.exercises._core import Wrong, exercise, expect, expect_close
 
 __all__ = ["check_absorbed_scores", "check_fold_output", "check_kv_cache_bytes"]
 
@@ -61,7 +61,7 @@ def check_absorbed_scores(absorbed_scores) -> None:
         with torch.no_grad():
             got = absorbed_scores(q.clone(), c.clone(), w_uk.clone(), n_heads)
         if got is None:
-            raise NotImplementedError("return the scores of shape (B, n_heads, T_q, T_k), not None")
+            raise NotSolved("return the scores of shape (B, n_heads, T_q, T_k), not None")
         expect(isinstance(got, torch.Tensor), f"return a torch.Tensor; got {type(got).__name__}")
         expect(
             tuple(got.shape) == (B, n_heads, T_q, T_k),
@@ -129,7 +129,7 @@ def check_fold_output(fold_output) -> None:
         with torch.no_grad():
             got = fold_output(w_uv, w_o, n_heads)
         if got is None:
-            raise NotImplementedError("return the folded matrices of shape (n_heads, d_c, d_model), not None")
+            raise NotSolved("return the folded matrices of shape (n_heads, d_c, d_model), not None")
         expect(isinstance(got, torch.Tensor), f"return a torch.Tensor; got {type(got).__name__}")
         expect(
             torch.equal(w_uv, w_uv_before) and torch.equal(w_o, w_o_before),
@@ -194,7 +194,7 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
             for variant in _VARIANTS:
                 got = kv_cache_bytes(config, variant, seq_len, rope_dim, dtype_bytes)
                 if got is None:
-                    raise NotImplementedError("return the number of bytes as an int, not None")
+                    raise NotSolved("return the number of bytes as an int, not None")
                 expect(
                     isinstance(got, int) and not isinstance(got, bool),
                     f"return a Python int; got {type(got).__name__} (use int(...) if you computed a float or a tensor)",

@@ -18,9 +18,9 @@ import math
 import torch
 
 from attnlib.attention import ATTENTION_REGISTRY
+from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect, expect_close
 from attnlib.cache import LayerCache
 from attnlib.config import GPTConfig
-from attnlib.book.exercises._core import Wrong, exercise, expect, expect_close
 from attnlib.functional import attention, causal_mask
 
 __all__ = ["check_cached_attention", "check_kv_cache_bytes", "check_mini_cache"]
@@ -41,7 +41,7 @@ _MINI_CASES = [  # (leading shape, key width, value width, max_len, positions pe
 def _call_update(cache, k: torch.Tensor, v: torch.Tensor, step: str) -> tuple[torch.Tensor, torch.Tensor]:
     out = cache.update(k, v)
     if out is None:
-        raise NotImplementedError("update(k, v) should return (k_all, v_all), not None")
+        raise NotSolved("update(k, v) should return (k_all, v_all), not None")
     expect(
         isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out),
         f"{step}: update(k, v) should return a pair of tensors (k_all, v_all); got {type(out).__name__}",
@@ -189,7 +189,7 @@ def check_cached_attention(cached_attention) -> None:
         with torch.no_grad():
             got = cached_attention(q, k, v)
         if got is None:
-            raise NotImplementedError("return the outputs of shape (B, n_heads, T_new, head_dim), not None")
+            raise NotSolved("return the outputs of shape (B, n_heads, T_new, head_dim), not None")
         expect(isinstance(got, torch.Tensor), f"return a torch.Tensor; got {type(got).__name__}")
         expect(
             all(torch.equal(a, b) for a, b in zip((q, k, v), given)),
@@ -256,7 +256,7 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
             context = config.block_size if context is None else context
             got = kv_cache_bytes(config, batch_size, context, dtype)
             if got is None:
-                raise NotImplementedError("return the number of bytes as an int, not None")
+                raise NotSolved("return the number of bytes as an int, not None")
             expect(
                 isinstance(got, int) and not isinstance(got, bool),
                 f"return a Python int; got {type(got).__name__} (use int(...) if you computed a float or a tensor)",

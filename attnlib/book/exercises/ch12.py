@@ -14,8 +14,8 @@ from unittest import mock
 
 import torch
 
-from attnlib.config import GPTConfig
 from attnlib.book.exercises._core import Wrong, exercise, expect
+from attnlib.config import GPTConfig
 from attnlib.generate import top_k_filter, top_p_filter
 from attnlib.model import GPT
 

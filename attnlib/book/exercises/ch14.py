@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlib.attention import MultiHeadAttention, MultiHeadAttentionWrapper, SelfAttentionV1, SelfAttentionV2
+from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect, expect_close
 from attnlib.config import GPTConfig
-from attnlib.book.exercises._core import Wrong, exercise, expect, expect_close
 from attnlib.gpt2 import hf_gpt2_key_map
 from attnlib.model import GPT
 
@@ -118,7 +118,7 @@ def check_copy_head(copy_head) -> None:
         expect(all(torch.equal(v, src_before[k]) for k, v in src.state_dict().items()),
                f"{case}: your function changed src; copy from it, leave it as it was")
         if all(k in dst_before and torch.equal(v, dst_before[k]) for k, v in dst.state_dict().items()):
-            raise NotImplementedError("dst still has its own weights: copy src's weights into dst")
+            raise NotSolved("dst still has its own weights: copy src's weights into dst")
         _check_layout(dst, d_model, head_dim, case)
         _name_the_mistake(src, dst, case)
 
@@ -156,7 +156,7 @@ def check_wrapper_with_width(wrapper_with_width) -> None:
         case = f"wrapper_with_width(d_model={d_model}, block_size={block_size}, n_heads={n_heads}, d_out={d_out})"
         wrapper = wrapper_with_width(d_model, block_size, n_heads, d_out)
         if wrapper is None:
-            raise NotImplementedError("return an attnlib.MultiHeadAttentionWrapper, not None")
+            raise NotSolved("return an attnlib.MultiHeadAttentionWrapper, not None")
         expect(type(wrapper) is MultiHeadAttentionWrapper,
                f"{case}: return an attnlib.MultiHeadAttentionWrapper itself (the exercise keeps the class as it "
                f"is); got {type(wrapper).__name__}")
@@ -199,7 +199,7 @@ def check_gpt2_attention(gpt2_attention) -> None:
         case = f"gpt2_attention(qkv_bias={qkv_bias})"
         module = gpt2_attention(qkv_bias)
         if module is None:
-            raise NotImplementedError("return an attnlib.MultiHeadAttention, not None")
+            raise NotSolved("return an attnlib.MultiHeadAttention, not None")
         expect(isinstance(module, MultiHeadAttention),
                f"{case}: return an attnlib.MultiHeadAttention; got {type(module).__name__}")
         for name, value in _GPT2.items():
@@ -263,7 +263,7 @@ def check_hf_key(hf_key) -> None:
     state = _hf_state_dict(model)
     answers = {hf_name: hf_key(hf_name, tensor.clone()) for hf_name, tensor in state.items()}
     if all(a is None for a in answers.values()):
-        raise NotImplementedError("return (attnlib_name, tensor) for every weight; None only for what is not a weight")
+        raise NotSolved("return (attnlib_name, tensor) for every weight; None only for what is not a weight")
 
     loaded = {}
     for hf_name, answer in answers.items():

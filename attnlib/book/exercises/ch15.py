@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from attnlib.book.exercises._core import exercise, expect
+from attnlib.book.exercises._core import NotSolved, exercise, expect
 from attnlib.functional import causal_mask
 
 __all__ = ["check_online_softmax_stats", "check_longest_context", "check_causal_tile_kind"]
@@ -71,7 +71,7 @@ def check_online_softmax_stats(online_softmax_stats) -> None:
         blocks = _OnePass(x, widths)
         got = online_softmax_stats(blocks)
         if got is None:
-            raise NotImplementedError("return the pair (m, l), not None")
+            raise NotSolved("return the pair (m, l), not None")
         expect(
             blocks.passes <= 1,
             f"{what}: you iterated over the blocks {blocks.passes} times. They arrive once, as from a stream (in "
@@ -129,7 +129,7 @@ def check_longest_context(longest_context) -> None:
     for budget, B, n_heads, dtype in _BUDGET_CASES:
         got = longest_context(budget, B, n_heads, dtype)
         if got is None:
-            raise NotImplementedError("return the longest T as an int, not None")
+            raise NotSolved("return the longest T as an int, not None")
         expect(
             isinstance(got, int) and not isinstance(got, bool),
             f"return a Python int; got {type(got).__name__} (use int(...) or math.isqrt)",
@@ -180,7 +180,7 @@ def check_causal_tile_kind(causal_tile_kind) -> None:
                 k_end = min(k_start + bk, T_k)
                 got = causal_tile_kind(q_start, q_end, k_start, k_end, T_q, T_k)
                 if got is None:
-                    raise NotImplementedError('return "skip", "full" or "partial", not None')
+                    raise NotSolved('return "skip", "full" or "partial", not None')
                 expect(got in ("skip", "full", "partial"), f'return "skip", "full" or "partial"; got {got!r}')
                 expected = _kind(mask[q_start:q_end, k_start:k_end])
                 if got == expected:

@@ -1,0 +1,139 @@
+"""Argument types for attnlib's command lines: a bad flag is an argparse ``error:`` line (exit 2), never a traceback.
+
+Each function is an argparse ``type=`` callable: it returns the parsed value or raises
+:class:`argparse.ArgumentTypeError` naming the value and what was expected, so argparse
+prints ``prog: error: argument --flag: ...`` and exits with status 2 before anything runs.
+The output-path checks create nothing: they look for the first existing ancestor and ask
+whether it is a writable directory, so a long run is never lost to an output path that
+could not be written at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "device",
+    "fraction",
+    "nonnegative_float",
+    "nonnegative_int",
+    "output_dir",
+    "output_file",
+    "positive_float",
+    "positive_int",
+    "top_p",
+]
+
+
+def _number(text: str, kind: type) -> int | float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (sizes, step counts)."""
+    value = _number(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer (expected >= 1)")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0 (a number of tokens to sample, a seed)."""
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative (expected an integer >= 0)")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a learning rate)."""
+    value = _number(text, float)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} is not > 0 (expected a finite number > 0)")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite number >= 0 (a sampling temperature: 0 = greedy)."""
+    value = _number(text, float)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative (expected a finite number >= 0)")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in [0, 1) (a dropout probability)."""
+    value = _number(text, float)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not in [0, 1)")
+    return value
+
+
+def top_p(text: str) -> float:
+    """A number in (0, 1] (nucleus sampling's probability mass; 1 keeps every token)."""
+    value = _number(text, float)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is not in (0, 1]")
+    return value
+
+
+def device(text: str) -> str:
+    """A torch device string that this machine has (``cpu``, ``cuda``, ``cuda:1``, ``mps``)."""
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (expected cpu, cuda, cuda:N or mps)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has no CUDA device")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: MPS is not available on this machine")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise argparse.ArgumentTypeError(f"{text!r}: attnlib runs on cpu, cuda or mps")
+    return text
+
+
+def _creatable_dir(path: Path, text: str) -> None:
+    """Raise unless ``path`` is a writable directory or could be created as one (nothing is created)."""
+    probe = path.absolute()
+    while not probe.exists():
+        if probe.is_symlink():  # a dangling link
+            raise argparse.ArgumentTypeError(f"{text!r}: {probe} is a broken symbolic link")
+        probe = probe.parent
+    if not probe.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {probe} exists and is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: the directory {probe} is not writable")
+
+
+def output_dir(text: str) -> Path:
+    """A directory to write into: it exists and is writable, or it can be created."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path (expected a directory)")
+    path = Path(text)
+    _creatable_dir(path, text)
+    return path
+
+
+def output_file(text: str) -> Path:
+    """A file to write: not a directory, and its directory exists and is writable or can be created."""
+    if not text or text.endswith(("/", os.sep)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file name (expected a path like results/run.json)")
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory (expected a file name)")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not writable")
+    _creatable_dir(path.parent, text)
+    return path

@@ -1,0 +1,46 @@
+"""The results files the chapters read, shipped inside the package (so a wheel has them too).
+
+* ``compare_attention.json``: chapter 13's full run of
+  ``python -m attnlib.book.experiments.compare_attention`` (every variant, 5000 steps).
+* ``bench_mha.json``, ``bench_kv_cache.json``, ``bench_memory.json``: chapter 15's full-size
+  runs of ``python -m attnlib.bench <name> --json FILE``.
+
+Each file records the command, the machine and the commit that produced it. They are read
+with :mod:`importlib.resources`, never from a path computed from ``__file__``, so they are
+found the same way from a checkout, an editable install or a wheel. To replace one, rerun its
+command with the output path pointing here (in a checkout:
+``--out attnlib/book/results/compare_attention.json``).
+"""
+from __future__ import annotations
+
+import json
+from importlib import resources
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from importlib.abc import Traversable
+
+__all__ = ["NAMES", "load", "path"]
+
+#: The committed results files, by name (the file name without ``.json``).
+NAMES = ("compare_attention", "bench_mha", "bench_kv_cache", "bench_memory")
+
+
+def path(name: str) -> Traversable:
+    """The committed results file ``name`` (one of :data:`NAMES`), as an importlib.resources Traversable.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`NAMES`.
+        FileNotFoundError: the file is missing from this installation.
+    """
+    if name not in NAMES:
+        raise ValueError(f"name={name!r} is not a committed results file; expected one of {NAMES}")
+    file = resources.files(__name__) / f"{name}.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"the results file {name}.json is missing from this installation of attnlib ({file})")
+    return file
+
+
+def load(name: str) -> dict:
+    """Read the committed results file ``name`` (one of :data:`NAMES`) as a dict."""
+    return json.loads(path(name).read_text(encoding="utf-8"))
