@@ -17,6 +17,7 @@ from attnlib.attention import (
     TalkingHeadsAttention,
 )
 from attnlib.config import GPTConfig
+from attnlib.gpt2 import from_hf_gpt2
 from attnlib.model import GPT
 from attnlib.norms import LayerNorm, RMSNorm
 from attnlib.positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
@@ -48,6 +49,7 @@ __all__ = [
     "attention",
     "data",
     "device",
+    "from_hf_gpt2",
     "functional",
     "generate",
     "tokenizers",

@@ -1,7 +1,14 @@
 """Argument checks shared by the library: bad input fails early, naming the value."""
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Container, Iterable, Iterator
+from contextlib import contextmanager
+
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 
 def positive_int(name: str, value: object) -> None:
@@ -36,3 +43,148 @@ def float_input(x: object, d_model: int, block_size: int | None = None) -> None:
         raise ValueError(f"expected input of shape (B, T, d_model={d_model}); got {tuple(x.shape)}")
     if block_size is not None and x.shape[-2] > block_size:
         raise ValueError(f"sequence length T={x.shape[-2]} exceeds block_size={block_size}")
+
+
+def finite_number(name: str, value: object, *, minimum: float | None = None) -> float:
+    """Return ``value`` as a float; TypeError unless it is a real number (not a bool),
+    ValueError if it is nan/inf or below ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number; got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={value} must be a finite number")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return float(value)
+
+
+def non_negative_int(name: str, value: object) -> int:
+    """Return ``value``; TypeError unless it is an int (not a bool), ValueError if it is negative."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int; got {value!r} ({type(value).__name__})")
+    if value < 0:
+        raise ValueError(f"{name}={value} must be an int >= 0")
+    return value
+
+
+def _integer_dtype(name: str, ids: torch.Tensor) -> None:
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise TypeError(f"{name} must hold integer token ids (e.g. torch.long); got dtype {ids.dtype}")
+
+
+def _bad_id(name: str, value: object, vocab_size: int, where: str = "") -> ValueError:
+    return ValueError(f"{name} holds token id {value!r}, outside the vocabulary [0, {vocab_size}){where}")
+
+
+def token_ids(
+    name: str, ids: object, vocab_size: int, *, ndim: int | None = 2, ignore_index: int | None = None
+) -> torch.Tensor:
+    """Check a tensor of token ids and return it as int64 (the dtype ``nn.Embedding`` and ``cross_entropy`` want).
+
+    The one token-id check of the library: :class:`attnlib.GPT`, :class:`attnlib.Transformer`,
+    generation and the tokenizers use it.
+
+    Args:
+        name: the argument's name, for the messages.
+        ids: a tensor of any integer dtype (int64, int32, int16, int8, uint8, ...).
+        vocab_size: ids must lie in ``[0, vocab_size)``.
+        ndim: the number of dimensions required (``2`` = ``(B, T)``), or ``None`` for any.
+        ignore_index: a value allowed besides the ids (a loss's ignored target), or ``None``.
+
+    Returns:
+        ``ids`` itself if it is int64, else an int64 copy.
+
+    Raises:
+        TypeError: not a tensor, or a bool / floating / complex dtype (the dtype is named).
+        ValueError: the wrong number of dimensions, or an id outside the vocabulary (the first one is named).
+    """
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids; got {type(ids).__name__}")
+    _integer_dtype(name, ids)
+    if ndim is not None and ids.dim() != ndim:
+        shape = "(B, T)" if ndim == 2 else f"{ndim} dimensions"
+        raise ValueError(f"{name} must have shape {shape}; got {tuple(ids.shape)}")
+    if ids.device.type != "meta" and ids.numel():
+        bad = (ids < 0) | (ids >= vocab_size)
+        if ignore_index is not None:
+            bad &= ids != ignore_index
+        if bad.any():
+            position = tuple(bad.nonzero()[0].tolist())
+            raise _bad_id(name, ids[position].item(), vocab_size, f" (at index {position})")
+    return ids if ids.dtype == torch.long else ids.long()
+
+
+def token_id_list(name: str, ids: object, vocab: int | Container[int]) -> list[int]:
+    """Check a sequence of token ids (a list of ints or a 1-D integer tensor) and return it as a list.
+
+    Args:
+        name: the argument's name, for the messages.
+        ids: ints (Python or numpy integers), or a 1-D tensor of an integer dtype.
+        vocab: the vocabulary size (ids in ``[0, vocab)``) or the set of valid ids.
+
+    Raises:
+        TypeError: a str/bytes, a bool/float tensor, or an element that is not an integer.
+        ValueError: a tensor that is not 1-D, or an id outside the vocabulary (named).
+    """
+    if isinstance(ids, (str, bytes)):
+        raise TypeError(f"{name} must be a sequence of ints; got {type(ids).__name__}")
+    if isinstance(ids, torch.Tensor):
+        _integer_dtype(name, ids)
+        if ids.dim() != 1:
+            raise ValueError(f"{name} must be a 1-D tensor; got shape {tuple(ids.shape)}")
+        ids = ids.tolist()
+    elif isinstance(ids, Iterable):
+        ids = list(ids)
+    else:
+        raise TypeError(f"{name} must be a sequence of ints; got {type(ids).__name__}")
+    out = []
+    for i, value in enumerate(ids):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name}[{i}]={value!r} is not an integer token id ({type(value).__name__})")
+        value = int(value)
+        ok = 0 <= value < vocab if isinstance(vocab, int) else value in vocab
+        if not ok:
+            size = vocab if isinstance(vocab, int) else len(vocab)  # type: ignore[arg-type]
+            if isinstance(vocab, int):
+                raise _bad_id(name, value, size, f" (at index {i})")
+            raise ValueError(f"{name} holds token id {value}, not in the vocabulary of {size} tokens (at index {i})")
+        out.append(value)
+    return out
+
+
+@contextmanager
+def eval_mode(module: nn.Module) -> Iterator[nn.Module]:
+    """``with eval_mode(model):`` runs the body in eval mode (no dropout), then restores every
+    submodule's own training flag (even if some were in eval mode before), also after an exception.
+
+    The one mode switch of generation, beam search and :func:`attnlib.train.estimate_loss`.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"eval_mode needs an nn.Module; got {type(module).__name__}")
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield module
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy (nats per counted target) of ``logits`` ``(..., vocab_size)`` against ``targets`` ``(...)``.
+
+    Targets equal to ``ignore_index`` are left out. Unlike ``F.cross_entropy``, which returns
+    ``nan`` (0 / 0) when every target is ignored, this returns ``0.0`` then, with zero gradients:
+    nothing to predict, nothing to learn (computed without a host sync, so a training step stays asynchronous).
+
+    Raises:
+        ValueError: ``targets``' shape is not ``logits``' without the last dimension.
+    """
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"targets of shape {tuple(targets.shape)} do not match logits of shape {tuple(logits.shape)} "
+            f"(expected {tuple(logits.shape[:-1])})"
+        )
+    flat = targets.reshape(-1)
+    total = F.cross_entropy(logits.reshape(flat.numel(), -1), flat, ignore_index=ignore_index, reduction="sum")
+    counted = (flat != ignore_index).sum().clamp(min=1)  # every target ignored: 0 / 1, not 0 / 0
+    return total / counted

@@ -49,19 +49,52 @@ def hf_gpt2_key_map(n_layers: int) -> dict[str, tuple[str, bool]]:
     return keys
 
 
+# Hugging Face activation_function -> attnlib's gelu_approximate
+_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+_LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, what attnlib's GPT uses
+
+
+def _hf(hf_config, field: str, default=None):
+    return getattr(hf_config, field, default)
+
+
 def config_from_hf(hf_config) -> GPTConfig:
-    """The :class:`GPTConfig` of a Hugging Face ``GPT2Config``.
+    """The :class:`GPTConfig` of a Hugging Face ``GPT2Config``, refusing what attnlib's GPT cannot reproduce.
+
+    Reproduced: the sizes, the tanh GELU (``gelu_new``, ``gelu_pytorch_tanh``) and the exact one
+    (``gelu``), and ``reorder_and_upcast_attn`` (it only computes the scores in fp32, which attnlib's
+    fp32 model does anyway).
 
     Raises:
-        ValueError: a GPT-2 variant attnlib cannot reproduce (another activation or LayerNorm epsilon,
-            a separate inner MLP width).
+        TypeError: not a GPT-2 configuration (``model_type`` is not ``"gpt2"``).
+        ValueError: a variant attnlib cannot reproduce, naming the field and its value: another
+            activation, ``layer_norm_epsilon`` other than 1e-5, ``n_inner`` other than ``4 * n_embd``,
+            ``scale_attn_weights=False``, ``scale_attn_by_inverse_layer_idx=True``,
+            ``tie_word_embeddings=False`` (attnlib's head is tied to the token embedding),
+            ``add_cross_attention=True``.
     """
-    if hf_config.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ValueError(f"activation_function={hf_config.activation_function!r}: attnlib's GPT-2 uses the tanh GELU")
-    if abs(hf_config.layer_norm_epsilon - 1e-5) > 1e-12:
-        raise ValueError(f"layer_norm_epsilon={hf_config.layer_norm_epsilon}: attnlib's LayerNorms use 1e-5")
-    if hf_config.n_inner not in (None, 4 * hf_config.n_embd):
-        raise ValueError(f"n_inner={hf_config.n_inner}: attnlib's MLP is 4 * d_model = {4 * hf_config.n_embd} wide")
+    if _hf(hf_config, "model_type") != "gpt2":
+        raise TypeError(f"expected a GPT2Config (model_type='gpt2'); got model_type={_hf(hf_config, 'model_type')!r}")
+    activation = hf_config.activation_function
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation_function={activation!r}: attnlib's GPT has a GELU, one of {sorted(_ACTIVATIONS)}")
+    refusals = [
+        ("layer_norm_epsilon", hf_config.layer_norm_epsilon, abs(hf_config.layer_norm_epsilon - _LAYER_NORM_EPS) > 1e-12,
+         f"attnlib's LayerNorms use {_LAYER_NORM_EPS}"),
+        ("n_inner", hf_config.n_inner, hf_config.n_inner not in (None, 4 * hf_config.n_embd),
+         f"attnlib's MLP is 4 * n_embd = {4 * hf_config.n_embd} wide"),
+        ("scale_attn_weights", _hf(hf_config, "scale_attn_weights", True),
+         not _hf(hf_config, "scale_attn_weights", True), "attnlib always scales the scores by 1/sqrt(head_dim)"),
+        ("scale_attn_by_inverse_layer_idx", _hf(hf_config, "scale_attn_by_inverse_layer_idx", False),
+         bool(_hf(hf_config, "scale_attn_by_inverse_layer_idx", False)), "attnlib does not scale the scores by layer"),
+        ("tie_word_embeddings", _hf(hf_config, "tie_word_embeddings", True),
+         not _hf(hf_config, "tie_word_embeddings", True), "attnlib's output head is tied to the token embedding"),
+        ("add_cross_attention", _hf(hf_config, "add_cross_attention", False),
+         bool(_hf(hf_config, "add_cross_attention", False)), "attnlib's GPT has no cross-attention"),
+    ]
+    for field, value, refused, why in refusals:
+        if refused:
+            raise ValueError(f"{field}={value!r} cannot be reproduced: {why}")
     return GPTConfig(
         vocab_size=hf_config.vocab_size,
         block_size=hf_config.n_positions,
@@ -70,41 +103,102 @@ def config_from_hf(hf_config) -> GPTConfig:
         d_model=hf_config.n_embd,
         bias=True,
         dropout=0.0,
-        gelu_approximate="tanh",
+        gelu_approximate=_ACTIVATIONS[activation],
     )
 
 
+# GPTConfig field -> the GPT2Config field it must equal
+_MATCHED_FIELDS = {
+    "n_layers": "n_layer",
+    "n_heads": "n_head",
+    "d_model": "n_embd",
+    "vocab_size": "vocab_size",
+    "block_size": "n_positions",
+    "gelu_approximate": "activation_function",
+}
+
+
+def _check_config(config: GPTConfig, source_config: GPTConfig | None) -> None:
+    """Refuse a config whose model cannot hold GPT-2's weights (or, given the source's, differs from it)."""
+    if not isinstance(config, GPTConfig):
+        raise TypeError(f"config must be an attnlib.GPTConfig or None; got {type(config).__name__}")
+    if config.attention != "mha":
+        raise ValueError(f"config.attention={config.attention!r}: GPT-2 has multi-head attention ('mha')")
+    if not config.bias:
+        raise ValueError("config.bias=False: GPT-2 has biases in every Linear layer and LayerNorm")
+    if source_config is None:
+        if config.gelu_approximate != "tanh":
+            raise ValueError(f"config.gelu_approximate={config.gelu_approximate!r}: GPT-2 uses the tanh GELU "
+                             "(build the config with gelu_approximate='tanh')")
+        return
+    for ours, theirs in _MATCHED_FIELDS.items():
+        mine, source = getattr(config, ours), getattr(source_config, ours)
+        if mine != source:
+            raise ValueError(f"config.{ours}={mine!r} does not match the source model's {theirs} "
+                             f"(config.{ours}={source!r} reproduces it)")
+
+
+def _layer_count(state: Mapping[str, torch.Tensor]) -> int:
+    layers = {int(k.split(".")[2]) for k in state if k.startswith("transformer.h.") and k.split(".")[2].isdigit()}
+    return max(layers) + 1 if layers else 0
+
+
+def _check_state_keys(state: Mapping[str, torch.Tensor], key_map: dict[str, tuple[str, bool]], n_layers: int) -> None:
+    """Refuse a state dict with more layers than the config, an untied output head, or weights attnlib has no place for."""
+    found = _layer_count(state)
+    if found > n_layers:
+        raise ValueError(f"the GPT-2 state dict has {found} layers but config.n_layers={n_layers}: "
+                         "the extra layers would be dropped")
+    head, wte = state.get("lm_head.weight"), state.get("transformer.wte.weight")
+    if head is not None and wte is not None and head is not wte and not torch.equal(head, wte):
+        raise ValueError("the state dict's 'lm_head.weight' differs from 'transformer.wte.weight': an untied "
+                         "output head, which attnlib's GPT (head tied to the token embedding) cannot hold")
+    used = {theirs for theirs, _ in key_map.values()} | {"lm_head.weight"}
+    buffers = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers, not weights
+    extra = sorted(k for k in state if k not in used and not k.endswith(buffers))
+    if extra:
+        raise ValueError(f"the state dict holds {extra[0]!r} ({len(extra)} unknown keys): "
+                         "attnlib's GPT has no place for it")
+
+
 def from_hf_gpt2(source, config: GPTConfig | None = None) -> GPT:
-    """An :class:`attnlib.GPT` holding the weights of a Hugging Face GPT-2.
+    """An :class:`attnlib.GPT` holding the weights of a Hugging Face GPT-2 (chapter 14).
 
     Args:
         source: a ``transformers.GPT2LMHeadModel`` (its config gives the sizes) or its
             ``state_dict()`` (then ``config`` is required: a state dict does not say ``n_heads``).
-        config: the sizes; must have the tanh GELU (``GPTConfig.gpt2(...)`` does).
+        config: optional for a model, where it must equal what the model's own config gives
+            (:func:`config_from_hf`: layers, heads, width, vocabulary, positions, GELU); required for
+            a state dict, where it must have the tanh GELU (``GPTConfig.gpt2(...)`` does). Either way:
+            ``attention="mha"`` and ``bias=True``.
 
     Returns:
         The model in eval mode, on the CPU, in fp32.
 
     Raises:
-        ValueError: no config for a raw state dict, a config without the tanh GELU,
-            a missing key, or a shape that does not match (the message names the key).
-        TypeError: ``source`` is neither a model nor a mapping.
+        TypeError: ``source`` is neither a GPT-2 model nor a mapping; ``config`` not a GPTConfig.
+        ValueError: a GPT-2 variant attnlib cannot reproduce (see :func:`config_from_hf`), a config
+            that differs from the source's (the field and both values are named), no config for a raw
+            state dict, a missing, extra or untied key, more layers than the config, or a shape that
+            does not match (the message names the key).
     """
     if hasattr(source, "state_dict") and hasattr(source, "config"):
-        config = config or config_from_hf(source.config)
+        source_config = config_from_hf(source.config)
+        config = source_config if config is None else config
         state = source.state_dict()
     elif isinstance(source, Mapping):
-        state = source
+        source_config, state = None, source
         if config is None:
             raise ValueError("a raw state dict does not say n_heads: pass config=GPTConfig.gpt2(...) or the HF model")
     else:
         raise TypeError(f"source must be a GPT2LMHeadModel or its state_dict; got {type(source).__name__}")
-    if config.gelu_approximate != "tanh":
-        raise ValueError("GPT-2 uses the tanh GELU: build the config with gelu_approximate='tanh'")
+    _check_config(config, source_config)
+    key_map = hf_gpt2_key_map(config.n_layers)
+    _check_state_keys(state, key_map, config.n_layers)
     model = GPT(config)
     ours = model.state_dict()
     with torch.no_grad():
-        for name, (theirs, transpose) in hf_gpt2_key_map(config.n_layers).items():
+        for name, (theirs, transpose) in key_map.items():
             if theirs not in state:
                 raise ValueError(f"the GPT-2 state dict has no {theirs!r} (for attnlib's {name!r})")
             tensor = state[theirs].t() if transpose else state[theirs]

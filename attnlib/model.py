@@ -8,34 +8,31 @@ LayerNorm, and an output head tied to the token embedding. GPT-2 (Radford et al.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnlib.attention import ATTENTION_REGISTRY
+from attnlib._checks import eval_mode, token_ids
+from attnlib.attention.registry import build_attention
 from attnlib.cache import KVCache, LayerCache
 from attnlib.config import GPTConfig
-from attnlib.generate import sample_next_token
+from attnlib.feedforward import FeedForward
+from attnlib.generate import decode
 
 __all__ = ["GPT", "Block", "MLP"]
 
 
-class MLP(nn.Module):
-    """Position-wise feed-forward network: ``d_model → 4·d_model → GELU → d_model``.
+class MLP(FeedForward):
+    """GPT's feed-forward block: the shared :class:`attnlib.feedforward.FeedForward`,
+    ``d_model → 4·d_model → GELU → d_model``, sized from a config (parameters ``fc``, ``proj``).
 
     Shapes: ``(B, T, d_model)`` → ``(B, T, d_model)``. Vaswani et al. 2017, §3.3.
     """
 
     def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.fc = nn.Linear(config.d_model, 4 * config.d_model, bias=config.bias)
-        self.gelu = nn.GELU(approximate=config.gelu_approximate)
-        self.proj = nn.Linear(4 * config.d_model, config.d_model, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(self.gelu(self.fc(x))))
+        super().__init__(config.d_model, 4 * config.d_model, config.dropout, config.gelu_approximate, config.bias)
 
 
 class Block(nn.Module):
@@ -47,7 +44,7 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.d_model, bias=config.bias)
-        self.attn = ATTENTION_REGISTRY[config.attention](config)
+        self.attn = build_attention(config)
         self.ln_2 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.mlp = MLP(config)
 
@@ -101,13 +98,6 @@ class GPT(nn.Module):
             if name.endswith(self.residual_projections):
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layers))
 
-    @classmethod
-    def from_hf_gpt2(cls, source, config: GPTConfig | None = None) -> GPT:
-        """Load Hugging Face GPT-2 weights; see :func:`attnlib.gpt2.from_hf_gpt2` (chapter 14)."""
-        from attnlib.gpt2 import from_hf_gpt2  # late import: attnlib.gpt2 imports this module
-
-        return from_hf_gpt2(source, config)
-
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters, the tied embedding counted once.
 
@@ -120,19 +110,18 @@ class GPT(nn.Module):
             n -= self.tok_emb.weight.numel() + self.pos_emb.weight.numel()
         return n
 
-    def check_idx(self, idx: object, name: str = "idx") -> None:
-        """Raise TypeError/ValueError unless ``idx`` is an int64-like (B, T) tensor of valid token ids."""
-        if not isinstance(idx, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor of token ids; got {type(idx).__name__}")
-        if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
-            raise TypeError(f"{name} must hold integer token ids (torch.long); got dtype {idx.dtype}")
-        if idx.dim() != 2:
-            raise ValueError(f"{name} must have shape (B, T); got {tuple(idx.shape)}")
+    def check_idx(self, idx: object, name: str = "idx") -> torch.Tensor:
+        """Check ``idx`` and return it as int64: a ``(B, T)`` tensor of any integer dtype, ``T <= block_size``,
+        every id in ``[0, vocab_size)`` (see :func:`attnlib._checks.token_ids`).
+
+        Raises:
+            TypeError: not a tensor, or a bool / floating dtype (named).
+            ValueError: not 2-D, ``T > block_size``, or an id outside the vocabulary (named).
+        """
+        idx = token_ids(name, idx, self.config.vocab_size)
         if idx.shape[1] > self.config.block_size:
             raise ValueError(f"sequence length T={idx.shape[1]} exceeds block_size={self.config.block_size}")
-        if idx.device.type != "meta" and idx.numel() and ((idx < 0) | (idx >= self.config.vocab_size)).any():
-            bad = idx[(idx < 0) | (idx >= self.config.vocab_size)][0].item()
-            raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {self.config.vocab_size})")
+        return idx
 
     def forward(
         self,
@@ -162,6 +151,10 @@ class GPT(nn.Module):
         """
         self.check_idx(idx)
         B, T = idx.shape
+        if T == 0:
+            raise ValueError(f"idx must hold at least one token per row; got shape {tuple(idx.shape)}")
+        if cache is not None:
+            self.check_cache(cache)
         start = 0 if cache is None else cache.length
         if start + T > self.config.block_size:
             raise ValueError(
@@ -183,6 +176,23 @@ class GPT(nn.Module):
                 raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}; got {tuple(targets.shape)}")
             loss = F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(B * T))
         return logits, loss
+
+    def check_cache(self, cache: object) -> None:
+        """Raise unless ``cache`` is a :class:`attnlib.cache.KVCache` with one layer per block, in step, of ``block_size``."""
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be an attnlib.cache.KVCache; got {type(cache).__name__}")
+        if len(cache.layers) != self.config.n_layers:
+            raise ValueError(f"cache has {len(cache.layers)} layers; this model has n_layers={self.config.n_layers}")
+        if cache.max_len != self.config.block_size:
+            raise ValueError(f"cache holds max_len={cache.max_len} positions; this model's block_size={self.config.block_size}")
+        _ = cache.length  # raises if the layers fell out of step
+
+    def kv_cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes a KV cache keeps per token of one sequence, all layers: each layer's own ``cache_width``.
+
+        ``dtype`` defaults to the parameters' (chapter 08 measures the same number on the cache's tensors).
+        """
+        return sum(block.attn.cache_bytes_per_token(dtype) for block in self.blocks)
 
     def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Token + position embeddings (then dropout) of ``idx`` ``(B, T)`` at positions
@@ -249,57 +259,36 @@ class GPT(nn.Module):
         top_p: float | None = None,
         generator: torch.Generator | None = None,
         use_cache: bool = True,
-        stop_tokens: list[int] | tuple[int, ...] | None = None,
+        stop_tokens: int | Iterable[int] | torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Extend ``idx`` by up to ``max_new_tokens`` tokens, one at a time.
+        """Extend ``idx`` by up to ``max_new_tokens`` tokens, one at a time (chapters 08, 12).
 
         The model sees at most the last ``block_size`` tokens: a longer prompt is
         cropped from the left, and once the text outgrows ``block_size`` each step sees
         the last ``block_size`` tokens (the returned tensor keeps everything). With
         ``use_cache`` (chapter 08) the prompt is encoded once (prefill) and each new token
         attends to the cached keys/values (decode); the tokens are the same as without it.
+        Runs in eval mode; the modes are restored afterwards. The loop is
+        :func:`attnlib.generate.decode`, shared with the other decoders.
 
         Args:
-            idx: ``(B, T)`` integer prompt (T >= 1).
+            idx: ``(B, T)`` prompt of any integer dtype (T >= 1; every id is checked, also beyond the window).
             max_new_tokens: how many tokens to add (>= 0).
-            temperature: ``0`` = greedy; higher = more random.
-            top_k, top_p: optional filters, see :func:`attnlib.generate.sample_next_token`.
+            temperature: ``0`` = greedy; higher = more random (finite, >= 0).
+            top_k, top_p: optional filters, see :func:`attnlib.sampling.sample_next_token`.
             generator: ``torch.Generator`` for reproducible samples.
             use_cache: decode with a :class:`attnlib.cache.KVCache`.
-            stop_tokens: ids that end a sequence; a row that has produced one is padded
+            stop_tokens: an id or ids that end a sequence; a row that has produced one is padded
                 with it from then on, and generation ends early once every row has.
 
         Returns:
             ``(B, T + n)`` int64 with ``n <= max_new_tokens``.
 
         Raises:
-            ValueError / TypeError: a bad prompt, ``max_new_tokens``, sampling setting or stop token.
+            TypeError / ValueError: a bad prompt, ``max_new_tokens``, sampling setting or stop token,
+            all checked before the first forward pass.
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
-        if isinstance(idx, torch.Tensor) and idx.dim() == 2 and idx.shape[1] == 0:
-            raise ValueError("idx must hold at least one prompt token per row; got T=0")
-        self.check_idx(idx[:, -self.config.block_size :] if isinstance(idx, torch.Tensor) and idx.dim() == 2 else idx)
-        stops = torch.tensor(list(stop_tokens or []), dtype=torch.long, device=idx.device)
-        if stops.numel() and ((stops < 0) | (stops >= self.config.vocab_size)).any():
-            raise ValueError(f"stop_tokens={list(stop_tokens)} must be ids in [0, {self.config.vocab_size})")
-        was_training = self.training
-        self.eval()
-        try:
-            cache = KVCache.for_model(self) if use_cache else None
-            finished = torch.full((idx.shape[0],), -1, dtype=torch.long, device=idx.device)  # -1 = still going
-            n_new = idx.shape[1]
-            for _ in range(max_new_tokens):
-                logits, cache = self.next_token_logits(idx, cache, n_new)
-                next_id = sample_next_token(logits, temperature, top_k, top_p, generator)  # (B, 1)
-                next_id = torch.where(finished[:, None] >= 0, finished[:, None], next_id)
-                idx = torch.cat([idx, next_id], dim=1)  # (B, T) -> (B, T + 1)
-                n_new = 1
-                if stops.numel():
-                    newly = (finished < 0) & torch.isin(next_id[:, 0], stops)
-                    finished = torch.where(newly, next_id[:, 0], finished)
-                    if (finished >= 0).all():
-                        break
-        finally:
-            self.train(was_training)
-        return idx
+        with eval_mode(self):
+            return decode(self, idx, max_new_tokens, vocab_size=self.config.vocab_size, temperature=temperature,
+                          top_k=top_k, top_p=top_p, generator=generator, use_cache=use_cache,
+                          stop_tokens=stop_tokens)

@@ -1,73 +1,37 @@
 """The encoder–decoder Transformer of Vaswani et al. 2017, built from attnlib's pieces. Chapter 10.
 
-- :class:`FeedForward`: the position-wise two-layer network with GELU (Hendrycks & Gimpel 2016).
-- :class:`EncoderLayer`: self-attention (no causal mask, source padding masked) + feed-forward.
-- :class:`DecoderLayer`: causal self-attention + cross-attention to the encoder output + feed-forward.
+- :class:`EncoderLayer`: self-attention (``MultiHeadAttention(causal=False)``, source padding masked)
+  + the feed-forward block :class:`attnlib.feedforward.FeedForward` (the GPT's too).
+- :class:`DecoderLayer`: causal self-attention + cross-attention to the encoder output (the same
+  ``MultiHeadAttention``, ``causal=False``, called with a context) + feed-forward.
 - :class:`Transformer`: embeddings + sinusoidal positions, ``n_layers`` encoder layers **chained**
   (each reads the previous one's output), ``n_layers`` decoder layers chained, a linear head.
   ``forward`` is teacher-forced and returns logits and a loss (it never samples);
-  :meth:`Transformer.greedy_decode` and :meth:`Transformer.beam_decode` generate.
+  :meth:`Transformer.greedy_decode` and :meth:`Transformer.beam_decode` generate, through the
+  decode loop and beam search every decoder of the library shares (:mod:`attnlib.generate`).
 
 Every residual block is either pre-LN (``norm_first=True``: ``x + f(norm(x))``, with a final
 norm after the last layer) or post-LN (``norm_first=False``: ``norm(x + f(x))``, the 2017 paper).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from attnlib._checks import divisible, positive_int, probability
-from attnlib.attention.cross import CrossAttention
+from attnlib._checks import cross_entropy_loss, divisible, eval_mode, positive_int, probability, token_ids
 from attnlib.attention.multi_head import MultiHeadAttention
-from attnlib.generate import beam_search
+from attnlib.beam import beam_search
+from attnlib.decoding import check_decoding, stop_mask
+from attnlib.feedforward import FeedForward
+from attnlib.generate import decode
 from attnlib.norms import LayerNorm
 from attnlib.positional import SinusoidalPositionalEncoding
 
 __all__ = ["DecoderLayer", "EncoderLayer", "FeedForward", "Transformer"]
 
-GELU_APPROXIMATIONS = ("none", "tanh")
-
-
-class FeedForward(nn.Module):
-    """``dropout(W_2 · GELU(W_1 x + b_1) + b_2)``, applied to every position alone (Vaswani et al. 2017, §3.3).
-
-    Args:
-        d_model: input and output width.
-        d_ff: hidden width (usually ``4 * d_model``).
-        dropout: dropout on the output (training only).
-        gelu_approximate: ``"none"`` (exact, ``x Φ(x)``) or ``"tanh"`` (the tanh approximation of GPT-2),
-            as in ``nn.GELU(approximate=...)``.
-        bias: biases on both linear layers.
-
-    Shapes:
-        ``(B, T, d_model)`` → ``(B, T, d_model)``.
-
-    Raises:
-        ValueError / TypeError: bad sizes, dropout outside [0, 1), an unknown approximation.
-    """
-
-    def __init__(
-        self, d_model: int, d_ff: int, dropout: float = 0.0, gelu_approximate: str = "none", bias: bool = True
-    ) -> None:
-        super().__init__()
-        positive_int("d_model", d_model)
-        positive_int("d_ff", d_ff)
-        probability("dropout", dropout)
-        if gelu_approximate not in GELU_APPROXIMATIONS:
-            raise ValueError(f"gelu_approximate={gelu_approximate!r} is not one of {GELU_APPROXIMATIONS}")
-        self.fc_in = nn.Linear(d_model, d_ff, bias=bias)
-        self.act = nn.GELU(approximate=gelu_approximate)
-        self.fc_out = nn.Linear(d_ff, d_model, bias=bias)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.fc_out(self.act(self.fc_in(x))))  # (B, T, d_model) -> (B, T, d_ff) -> (B, T, d_model)
-
-
-def _key_mask(src_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """``(B, T_k)`` real-position mask → ``(B, 1, 1, T_k)``, broadcast over heads and queries."""
-    return None if src_mask is None else src_mask[:, None, None, :]
+StopTokens = int | Iterable[int] | torch.Tensor | None
 
 
 class EncoderLayer(nn.Module):
@@ -98,11 +62,11 @@ class EncoderLayer(nn.Module):
         self.norm_1, self.norm_2 = LayerNorm(d_model), LayerNorm(d_model)
 
     def forward(self, x: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
-        mask = _key_mask(src_mask)  # padding keys hidden from every query
+        # padding keys are hidden from every query (True = real token)
         if self.norm_first:
-            x = x + self.self_attn(self.norm_1(x), mask=mask)
+            x = x + self.self_attn(self.norm_1(x), key_padding_mask=src_mask)
             return x + self.ff(self.norm_2(x))
-        x = self.norm_1(x + self.self_attn(x, mask=mask))
+        x = self.norm_1(x + self.self_attn(x, key_padding_mask=src_mask))
         return self.norm_2(x + self.ff(x))
 
 
@@ -128,14 +92,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.norm_first = norm_first
         self.self_attn = MultiHeadAttention(d_model, n_heads, dropout=dropout, causal=True)
-        self.cross_attn = CrossAttention(d_model, n_heads, dropout=dropout)
+        self.cross_attn = MultiHeadAttention(d_model, n_heads, dropout=dropout, causal=False)
         self.ff = FeedForward(d_model, d_ff, dropout, gelu_approximate)
         self.norm_1, self.norm_2, self.norm_3 = LayerNorm(d_model), LayerNorm(d_model), LayerNorm(d_model)
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.norm_first:
             x = x + self.self_attn(self.norm_1(x))
-            x = x + self.cross_attn(self.norm_2(x), memory, key_padding_mask=src_mask)
+            x = x + self.cross_attn(self.norm_2(x), memory, key_padding_mask=src_mask)  # queries x, keys/values memory
             return x + self.ff(self.norm_3(x))
         x = self.norm_1(x + self.self_attn(x))
         x = self.norm_2(x + self.cross_attn(x, memory, key_padding_mask=src_mask))
@@ -143,36 +107,26 @@ class DecoderLayer(nn.Module):
 
 
 class _BoundDecoder:
-    """The decoder with one encoded source bound: the interface :func:`attnlib.generate.beam_search` needs.
+    """The decoder with one encoded source bound: a *decoder* for :mod:`attnlib.generate` and :mod:`attnlib.beam`.
 
-    ``next_token_logits(tokens (n_beams, T), cache, n_new)`` reruns the decoder on the whole
-    target prefix (no cache: ``new_cache()`` returns ``None``) against the source memory
-    repeated for every beam.
+    ``next_token_logits(tokens (n, T), cache, n_new)`` reruns the decoder on the whole target
+    prefix (no cache: ``new_cache()`` returns ``None``) against the source memory, whose batch
+    of one is repeated for every beam when beam search asks for more rows.
     """
 
     def __init__(self, model: Transformer, memory: torch.Tensor, src_mask: torch.Tensor) -> None:
         self.model, self.memory, self.src_mask = model, memory, src_mask
-
-    @property
-    def training(self) -> bool:
-        return self.model.training
-
-    def eval(self) -> _BoundDecoder:
-        self.model.eval()
-        return self
-
-    def train(self, mode: bool = True) -> _BoundDecoder:
-        self.model.train(mode)
-        return self
+        self.vocab_size = model.tgt_emb.num_embeddings
 
     def new_cache(self) -> None:
         return None
 
     def next_token_logits(self, tokens: torch.Tensor, cache: None, n_new: int) -> tuple[torch.Tensor, None]:
-        n_beams = tokens.shape[0]
-        memory = self.memory.expand(n_beams, -1, -1)  # (1, T_src, d_model) -> (n_beams, T_src, d_model)
-        src_mask = self.src_mask.expand(n_beams, -1)  # (1, T_src) -> (n_beams, T_src)
-        return self.model.decode(tokens, memory, src_mask)[:, -1], None  # (n_beams, tgt_vocab_size)
+        memory, src_mask = self.memory, self.src_mask
+        if memory.shape[0] != tokens.shape[0]:  # one source, several beams
+            memory = memory.expand(tokens.shape[0], -1, -1)  # (1, T_src, d_model) -> (n_beams, T_src, d_model)
+            src_mask = src_mask.expand(tokens.shape[0], -1)  # (1, T_src) -> (n_beams, T_src)
+        return self.model.decode(tokens, memory, src_mask)[:, -1], None  # (n, tgt_vocab_size)
 
 
 class Transformer(nn.Module):
@@ -243,15 +197,14 @@ class Transformer(nn.Module):
         self.dec_norm = LayerNorm(d_model) if norm_first else nn.Identity()
         self.lm_head = nn.Linear(d_model, tgt_vocab_size)
 
-    def _tokens(self, name: str, idx: torch.Tensor, vocab_size: int) -> None:
-        if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.long, torch.int, torch.int16, torch.uint8):
-            raise TypeError(f"{name} must be an integer tensor of shape (B, T)")
-        if idx.dim() != 2:
-            raise ValueError(f"{name} must have shape (B, T); got {tuple(idx.shape)}")
+    def _tokens(self, name: str, idx: object, vocab_size: int) -> torch.Tensor:
+        """Check ``idx`` (``(B, T)``, any integer dtype, ``1 <= T <= max_len``, ids in the vocabulary); return it as int64."""
+        idx = token_ids(name, idx, vocab_size)
+        if idx.shape[1] == 0:
+            raise ValueError(f"{name} must hold at least one token per row; got shape {tuple(idx.shape)}")
         if idx.shape[1] > self.max_len:
             raise ValueError(f"{name} has length {idx.shape[1]} > max_len={self.max_len}")
-        if idx.numel() and (idx.min() < 0 or idx.max() >= vocab_size):
-            raise ValueError(f"{name} has ids outside [0, {vocab_size})")
+        return idx
 
     def embed(self, idx: torch.Tensor, emb: nn.Embedding) -> torch.Tensor:
         """Token embedding · sqrt(d_model) + sinusoidal positions: ``(B, T)`` → ``(B, T, d_model)``."""
@@ -266,7 +219,7 @@ class Transformer(nn.Module):
         Returns:
             ``(memory (B, T_src, d_model), src_mask (B, T_src) bool)``, ``src_mask`` True at real tokens.
         """
-        self._tokens("src", src, self.src_emb.num_embeddings)
+        src = self._tokens("src", src, self.src_emb.num_embeddings)
         src_mask = src != self.pad_id  # (B, T_src)
         x = self.embed(src, self.src_emb)
         for layer in self.encoder:
@@ -275,7 +228,7 @@ class Transformer(nn.Module):
 
     def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor | None) -> torch.Tensor:
         """Run the decoder stack and the head: ``(B, T_tgt)`` ids → logits ``(B, T_tgt, tgt_vocab_size)``."""
-        self._tokens("tgt_in", tgt_in, self.tgt_emb.num_embeddings)
+        tgt_in = self._tokens("tgt_in", tgt_in, self.tgt_emb.num_embeddings)
         y = self.embed(tgt_in, self.tgt_emb)
         for layer in self.decoder:
             y = layer(y, memory, src_mask)  # chained, every layer reading the same final encoder output
@@ -287,90 +240,94 @@ class Transformer(nn.Module):
         """Teacher-forced pass: the decoder reads the true target prefix ``tgt_in``.
 
         Args:
-            src: ``(B, T_src)`` source ids (padded with ``pad_id``).
+            src: ``(B, T_src)`` source ids (padded with ``pad_id``), any integer dtype.
             tgt_in: ``(B, T_tgt)`` decoder input, usually ``[bos, y_1, …, y_{n-1}]``.
             targets: optional ``(B, T_tgt)`` next tokens ``[y_1, …, y_n]`` (usually ending in
                 ``eos_id``); ``pad_id`` positions are ignored by the loss.
 
         Returns:
             ``(logits (B, T_tgt, tgt_vocab_size), loss)``: mean cross-entropy over the
-            non-padding targets, or ``None`` without targets.
+            non-padding targets (``0.0``, not NaN, when every target is padding), or ``None`` without targets.
+
+        Raises:
+            TypeError / ValueError: ids of a bad dtype, shape or value (named), before any layer runs.
         """
+        tgt_vocab = self.tgt_emb.num_embeddings
+        if targets is not None:
+            targets = token_ids("targets", targets, tgt_vocab)
+            if targets.shape != getattr(tgt_in, "shape", None):
+                raise ValueError(f"targets {tuple(targets.shape)} must have the shape of tgt_in "
+                                 f"{tuple(getattr(tgt_in, 'shape', ()))}")
+        tgt_in = self._tokens("tgt_in", tgt_in, tgt_vocab)
         memory, src_mask = self.encode(src)
         logits = self.decode(tgt_in, memory, src_mask)
-        loss = None
-        if targets is not None:
-            if targets.shape != tgt_in.shape:
-                raise ValueError(f"targets {tuple(targets.shape)} must have the shape of tgt_in {tuple(tgt_in.shape)}")
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=self.pad_id)
+        loss = None if targets is None else cross_entropy_loss(logits, targets, ignore_index=self.pad_id)
         return logits, loss
 
+    def _decoding_setup(self, src: object, max_new_tokens: object, stop_tokens: StopTokens, **settings) -> tuple:
+        """Check every decoding setting (before any layer runs), encode ``src``; return ``(decoder, start, stops)``."""
+        stop_tokens = (self.eos_id,) if stop_tokens is None else stop_tokens
+        stops = check_decoding(self.tgt_emb.num_embeddings, max_new_tokens, stop_tokens=stop_tokens, **settings)
+        if max_new_tokens + 1 > self.max_len:
+            raise ValueError(f"max_new_tokens={max_new_tokens} + 1 (bos) exceeds the model's max_len={self.max_len}")
+        memory, src_mask = self.encode(src)
+        start = torch.full((memory.shape[0], 1), self.bos_id, dtype=torch.long, device=memory.device)
+        return _BoundDecoder(self, memory, src_mask), start, stops
+
     @torch.no_grad()
-    def greedy_decode(self, src: torch.Tensor, max_len: int) -> torch.Tensor:
-        """Decode by taking the most likely token at each step.
+    def greedy_decode(self, src: torch.Tensor, max_new_tokens: int, stop_tokens: StopTokens = None) -> torch.Tensor:
+        """Decode by taking the most likely token at each step (the loop of :func:`attnlib.generate.decode`).
 
         Args:
             src: ``(B, T_src)`` source ids.
-            max_len: most tokens to generate after ``bos_id`` (``1 + max_len <= self.max_len``).
+            max_new_tokens: most tokens to generate after ``bos_id`` (>= 0; ``1 + max_new_tokens <= self.max_len``).
+            stop_tokens: ids that end a row (default ``(eos_id,)``).
 
         Returns:
-            ``(B, 1 + n)`` ids starting with ``bos_id``; ``n <= max_len`` (decoding stops once
-            every row has produced ``eos_id``); positions after a row's ``eos_id`` hold ``pad_id``.
+            ``(B, 1 + n)`` ids starting with ``bos_id``; ``n <= max_new_tokens`` (decoding stops once
+            every row has produced a stop token); positions after a row's stop token hold ``pad_id``.
+
+        Raises:
+            TypeError / ValueError: a bad source, ``max_new_tokens`` or stop token, before any layer runs.
         """
-        positive_int("max_len", max_len)
-        if max_len + 1 > self.max_len:
-            raise ValueError(f"max_len={max_len} + 1 (bos) exceeds the model's max_len={self.max_len}")
-        was_training = self.training
-        self.eval()
-        try:
-            memory, src_mask = self.encode(src)
-            out = torch.full((src.shape[0], 1), self.bos_id, dtype=torch.long, device=src.device)
-            done = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
-            for _ in range(max_len):
-                next_id = self.decode(out, memory, src_mask)[:, -1].argmax(dim=-1)  # (B,)
-                next_id = torch.where(done, torch.full_like(next_id, self.pad_id), next_id)
-                out = torch.cat([out, next_id[:, None]], dim=1)
-                done |= next_id == self.eos_id
-                if done.all():
-                    break
-        finally:
-            self.train(was_training)
-        return out
+        with eval_mode(self):
+            decoder, start, stops = self._decoding_setup(src, max_new_tokens, stop_tokens)
+            return decode(decoder, start, max_new_tokens, vocab_size=decoder.vocab_size, temperature=0.0,
+                          use_cache=False, stop_tokens=stops, pad_id=self.pad_id)
 
     @torch.no_grad()
     def beam_decode(
-        self, src: torch.Tensor, beam_width: int = 4, max_len: int = 32, length_penalty: float = 0.0
+        self,
+        src: torch.Tensor,
+        beam_width: int = 4,
+        max_new_tokens: int = 32,
+        length_penalty: float = 0.0,
+        stop_tokens: StopTokens = None,
     ) -> tuple[torch.Tensor, float]:
-        """Decode one source with :func:`attnlib.generate.beam_search` (chapter 08).
+        """Decode one source with :func:`attnlib.beam.beam_search` (chapter 08).
 
         Args:
             src: ``(1, T_src)`` source ids (a single source).
             beam_width: beams kept; 1 gives :meth:`greedy_decode`'s output.
-            max_len: most tokens to generate after ``bos_id``.
-            length_penalty: see :func:`attnlib.generate.beam_search`.
+            max_new_tokens: most tokens to generate after ``bos_id``.
+            length_penalty: see :func:`attnlib.beam.beam_search`.
+            stop_tokens: ids that finish a beam (default ``(eos_id,)``).
 
         Returns:
             ``(tokens (1, 1 + n), score)`` in the format of :meth:`greedy_decode` (cut after the
-            first ``eos_id``) and the total log-probability of the tokens after ``bos_id``.
+            first stop token) and the total log-probability of the tokens after ``bos_id``.
 
         Raises:
-            ValueError: more than one source, or ``max_len`` too long.
+            TypeError / ValueError: more than one source, a bad setting, ``max_new_tokens`` too long.
         """
-        if not isinstance(src, torch.Tensor) or src.dim() != 2 or src.shape[0] != 1:
-            raise ValueError("beam_decode takes one source of shape (1, T_src); loop over a batch")
-        positive_int("max_len", max_len)
-        if max_len + 1 > self.max_len:
-            raise ValueError(f"max_len={max_len} + 1 (bos) exceeds the model's max_len={self.max_len}")
-        was_training = self.training
-        self.eval()
-        try:
-            memory, src_mask = self.encode(src)
-        finally:
-            self.train(was_training)
-        start = torch.full((1, 1), self.bos_id, dtype=torch.long, device=src.device)
-        tokens, score = beam_search(_BoundDecoder(self, memory, src_mask), start, max_len, beam_width=beam_width,
-                                    stop_tokens=[self.eos_id], length_penalty=length_penalty, use_cache=False)
-        eos = (tokens[0, 1:] == self.eos_id).nonzero()
-        if len(eos):
-            tokens = tokens[:, : int(eos[0]) + 2]  # keep bos ... eos
+        if isinstance(src, torch.Tensor) and (src.dim() != 2 or src.shape[0] != 1):
+            raise ValueError(f"beam_decode takes one source of shape (1, T_src); got {tuple(src.shape)}: loop over a batch")
+        with eval_mode(self):
+            decoder, start, stops = self._decoding_setup(src, max_new_tokens, stop_tokens, beam_width=beam_width,
+                                                         length_penalty=length_penalty)
+            tokens, score = beam_search(decoder, start, max_new_tokens, beam_width=beam_width, stop_tokens=stops,
+                                        length_penalty=length_penalty, use_cache=False)
+        ended = stop_mask(tokens[0, 1:], stops).nonzero()
+        if len(ended):
+            tokens = tokens[:, : int(ended[0]) + 2]  # keep bos ... the first stop token
         return tokens, score

@@ -24,7 +24,7 @@ def hf_model():
 
 
 def test_logits_equal_hugging_face(hf_model):
-    ours = GPT.from_hf_gpt2(hf_model)
+    ours = from_hf_gpt2(hf_model)
     idx = torch.randint(0, 97, (3, 24))
     with torch.no_grad():
         expected = hf_model(idx).logits
@@ -33,7 +33,7 @@ def test_logits_equal_hugging_face(hf_model):
 
 
 def test_greedy_generation_equals_hugging_face(hf_model):
-    ours = GPT.from_hf_gpt2(hf_model)
+    ours = from_hf_gpt2(hf_model)
     prompt = torch.randint(0, 97, (1, 5))
     tokens = prompt
     with torch.no_grad():
@@ -56,19 +56,102 @@ def test_state_dict_needs_a_config_and_matching_shapes(hf_model):
         from_hf_gpt2({k: v for k, v in state.items() if k != "transformer.ln_f.bias"}, config)
     with pytest.raises(ValueError, match=r"transformer.wpe.weight.*\(24, 48\).*\(32, 48\)"):
         from_hf_gpt2(state, GPTConfig(**{**config.__dict__, "block_size": 32}))
-    with pytest.raises(ValueError, match="tanh GELU"):
+    with pytest.raises(ValueError, match="gelu_approximate='none': GPT-2 uses the tanh GELU"):
         from_hf_gpt2(state, GPTConfig(vocab_size=97, block_size=24, n_layers=3, n_heads=4, d_model=48))
     with pytest.raises(TypeError, match="GPT2LMHeadModel or its state_dict"):
         from_hf_gpt2([1, 2])
 
 
-def test_unsupported_hf_variants_are_refused():
-    config = transformers.GPT2Config(
-        vocab_size=11, n_positions=8, n_embd=16, n_layer=1, n_head=2, activation_function="relu",
-        bos_token_id=0, eos_token_id=0,
-    )
-    with pytest.raises(ValueError, match="activation_function='relu'"):
-        GPT.from_hf_gpt2(transformers.GPT2LMHeadModel(config))
+def tiny_hf(**changes):
+    torch.manual_seed(1)
+    fields = dict(vocab_size=11, n_positions=8, n_embd=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**fields, **changes})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                p.normal_(0.0, 0.1 if name.endswith("bias") else 1.0)
+    return model
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(activation_function="relu"), "activation_function='relu'"),
+        (dict(activation_function="silu"), "activation_function='silu'"),
+        (dict(layer_norm_epsilon=1e-6), "layer_norm_epsilon=1e-06 cannot be reproduced"),
+        (dict(n_inner=24), "n_inner=24 cannot be reproduced: attnlib's MLP is 4 \\* n_embd = 64"),
+        (dict(scale_attn_weights=False), "scale_attn_weights=False cannot be reproduced"),
+        (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx=True cannot be reproduced"),
+        (dict(tie_word_embeddings=False), "tie_word_embeddings=False cannot be reproduced"),
+        (dict(add_cross_attention=True), "add_cross_attention=True cannot be reproduced"),
+    ],
+)
+def test_unsupported_hf_variants_are_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        from_hf_gpt2(tiny_hf(**changes))
+
+
+@pytest.mark.parametrize("changes", [dict(activation_function="gelu"), dict(reorder_and_upcast_attn=True),
+                                     dict(activation_function="gelu_pytorch_tanh")])
+def test_reproducible_hf_variants_give_the_same_logits(changes):
+    """The exact GELU and the fp32-upcast attention are reproduced, not refused: same logits as transformers."""
+    hf = tiny_hf(**changes)
+    if "reorder_and_upcast_attn" in changes:
+        hf.config._attn_implementation = "eager"  # the upcast path is eager-only in transformers
+    ours = from_hf_gpt2(hf)
+    idx = torch.randint(0, 11, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx)[0], hf(idx).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(n_layers=1), "config.n_layers=1 does not match the source model's n_layer \\(config.n_layers=2"),
+        (dict(n_heads=4), "config.n_heads=4 does not match the source model's n_head \\(config.n_heads=2"),
+        (dict(d_model=32, n_heads=2), "config.d_model=32 does not match the source model's n_embd"),
+        (dict(vocab_size=12), "config.vocab_size=12 does not match the source model's vocab_size"),
+        (dict(block_size=16), "config.block_size=16 does not match the source model's n_positions"),
+        (dict(gelu_approximate="none"), "config.gelu_approximate='none' does not match the source model's activation"),
+        (dict(bias=False), "config.bias=False: GPT-2 has biases"),
+        (dict(attention="talking_heads"), "config.attention='talking_heads'"),
+    ],
+)
+def test_an_explicit_config_must_match_the_source_model(changes, message):
+    config = GPTConfig(vocab_size=11, block_size=8, n_layers=2, n_heads=2, d_model=16, gelu_approximate="tanh")
+    hf = tiny_hf()
+    from_hf_gpt2(hf, config)  # the matching config is accepted
+    with pytest.raises(ValueError, match=message):
+        from_hf_gpt2(hf, GPTConfig(**{**config.__dict__, **changes}))
+
+
+def test_a_state_dict_that_does_not_fit_is_refused():
+    hf = tiny_hf()
+    state = hf.state_dict()
+    config = GPTConfig(vocab_size=11, block_size=8, n_layers=2, n_heads=2, d_model=16, gelu_approximate="tanh")
+    with pytest.raises(ValueError, match="has 2 layers but config.n_layers=1"):
+        from_hf_gpt2(state, GPTConfig(**{**config.__dict__, "n_layers": 1}))
+    untied = {**state, "lm_head.weight": state["transformer.wte.weight"] + 1.0}
+    with pytest.raises(ValueError, match="'lm_head.weight' differs from 'transformer.wte.weight'"):
+        from_hf_gpt2(untied, config)
+    with pytest.raises(ValueError, match="'transformer.h.0.crossattention.c_attn.weight' \\(1 unknown keys\\)"):
+        from_hf_gpt2({**state, "transformer.h.0.crossattention.c_attn.weight": torch.zeros(16, 48)}, config)
+    with pytest.raises(TypeError, match="config must be an attnlib.GPTConfig or None; got dict"):
+        from_hf_gpt2(state, dict(config.__dict__))
+
+
+def test_a_model_that_is_not_gpt2_is_refused():
+    bert = transformers.BertConfig(vocab_size=11, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                   intermediate_size=32)
+    with pytest.raises(TypeError, match="model_type='bert'"):
+        from_hf_gpt2(transformers.BertForMaskedLM(bert))
+
+
+def test_from_hf_gpt2_is_a_function_of_the_package():
+    import attnlib
+
+    assert attnlib.from_hf_gpt2 is from_hf_gpt2
+    assert not hasattr(GPT, "from_hf_gpt2")  # the classmethod made an import cycle model <-> gpt2
 
 
 def test_gpt2_small_has_124_439_808_parameters():

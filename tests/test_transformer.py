@@ -94,10 +94,10 @@ def test_beam_width_one_equals_greedy():
     for seed in range(3):
         src = torch.randint(3, 20, (1, 8), generator=torch.Generator().manual_seed(seed))
         greedy = model.greedy_decode(src, 10)
-        beam, score = model.beam_decode(src, beam_width=1, max_len=10)
+        beam, score = model.beam_decode(src, beam_width=1, max_new_tokens=10)
         assert torch.equal(beam, greedy)
         assert isinstance(score, float)
-    assert model.beam_decode(src, beam_width=3, max_len=10)[0][0, 0].item() == BOS
+    assert model.beam_decode(src, beam_width=3, max_new_tokens=10)[0][0, 0].item() == BOS
     assert not model.training
 
 
@@ -113,7 +113,7 @@ def test_greedy_decode_pads_after_eos():
 def test_layers_and_feedforward():
     ff = FeedForward(8, 16, gelu_approximate="tanh")
     x = torch.randn(2, 3, 8)
-    torch.testing.assert_close(ff(x), ff.fc_out(nn.functional.gelu(ff.fc_in(x), approximate="tanh")))
+    torch.testing.assert_close(ff(x), ff.proj(nn.functional.gelu(ff.fc(x), approximate="tanh")))
     with pytest.raises(ValueError, match="approximate"):
         FeedForward(8, 16, gelu_approximate="fast")
     assert EncoderLayer(8, 2, 16)(x).shape == (2, 3, 8)

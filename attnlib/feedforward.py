@@ -1,0 +1,64 @@
+"""The position-wise feed-forward block shared by the GPT (chapter 12) and the encoder–decoder Transformer (chapter 10).
+
+Vaswani et al. 2017, §3.3: ``FFN(x) = W_2 · act(W_1 x + b_1) + b_2``, the same two linear layers at every
+position; GELU (Hendrycks & Gimpel 2016) instead of ReLU, as in GPT-2. The parameter names ``fc`` and
+``proj`` are what GPT-2's weights are loaded into (``mlp.c_fc``, ``mlp.c_proj``; :mod:`attnlib.gpt2`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attnlib._checks import positive_int, probability
+
+__all__ = ["GELU_APPROXIMATIONS", "FeedForward"]
+
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+
+class FeedForward(nn.Module):
+    """``dropout(proj(GELU(fc(x))))``, applied to every position alone.
+
+    Args:
+        d_model: input and output width.
+        d_ff: hidden width (default ``4 * d_model``).
+        dropout: dropout on the output (training only), in [0, 1).
+        gelu_approximate: ``"none"`` (exact, ``x Φ(x)``) or ``"tanh"`` (the tanh approximation of GPT-2),
+            as in ``nn.GELU(approximate=...)``.
+        bias: biases on both linear layers.
+
+    Attributes:
+        fc: ``nn.Linear(d_model, d_ff)``; act: the GELU; proj: ``nn.Linear(d_ff, d_model)``.
+
+    Shapes:
+        ``(..., d_model)`` → ``(..., d_model)``.
+
+    Raises:
+        TypeError / ValueError: a size that is not a positive int, ``dropout`` outside [0, 1),
+            an unknown approximation, a non-bool ``bias``; the message names the value.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int | None = None,
+        dropout: float = 0.0,
+        gelu_approximate: str = "none",
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        positive_int("d_model", d_model)
+        d_ff = 4 * d_model if d_ff is None else d_ff
+        positive_int("d_ff", d_ff)
+        probability("dropout", dropout)
+        if gelu_approximate not in GELU_APPROXIMATIONS:
+            raise ValueError(f"gelu_approximate={gelu_approximate!r} is not one of {GELU_APPROXIMATIONS}")
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be a bool; got {bias!r}")
+        self.fc = nn.Linear(d_model, d_ff, bias=bias)
+        self.act = nn.GELU(approximate=gelu_approximate)
+        self.proj = nn.Linear(d_ff, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(self.act(self.fc(x))))  # (..., d_model) -> (..., d_ff) -> (..., d_model)

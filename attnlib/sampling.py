@@ -1,0 +1,116 @@
+"""Choosing the next token from logits: greedy, temperature, top-k and top-p (nucleus) sampling.
+
+Chapter 12. Nucleus sampling: Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration".
+The settings are checked by :func:`check_sampling`, which :mod:`attnlib.generate` calls once
+before decoding starts.
+"""
+from __future__ import annotations
+
+import torch
+
+from attnlib._checks import finite_number, positive_int
+
+__all__ = ["check_sampling", "sample_next_token", "top_k_filter", "top_p_filter"]
+
+
+def _check_top_p(p: object) -> None:
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"top_p must be a number in (0, 1]; got {p!r} ({type(p).__name__})")
+    if not 0.0 < p <= 1.0:  # nan fails this too
+        raise ValueError(f"top_p={p!r} must be a number in (0, 1]")
+
+
+def check_sampling(temperature: object = 1.0, top_k: object = None, top_p: object = None) -> None:
+    """Raise unless the sampling settings are valid (nothing is computed).
+
+    Raises:
+        TypeError: a setting of the wrong type (a bool, a str, a float ``top_k``, ...).
+        ValueError: ``temperature`` negative or not finite, ``top_k < 1``, ``top_p`` outside (0, 1].
+    """
+    finite_number("temperature", temperature, minimum=0.0)
+    if top_k is not None:
+        positive_int("top_k", top_k)
+    if top_p is not None:
+        _check_top_p(top_p)
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the ``k`` largest logits of each row, set the rest to ``-inf``.
+
+    Args:
+        logits: ``(..., vocab_size)`` float.
+        k: how many to keep; values above ``vocab_size`` keep everything.
+
+    Returns:
+        A tensor of the same shape (ties with the k-th value are kept).
+
+    Raises:
+        TypeError / ValueError: if ``k`` is not a positive int.
+    """
+    positive_int("top_k", k)
+    k = min(k, logits.shape[-1])
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # (..., 1): the k-th largest
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of tokens whose probabilities add up to at least ``p``; the rest get ``-inf``.
+
+    ``p = 1`` keeps every token exactly (the cumulative sum is not consulted: in float32 over a
+    50,257-token vocabulary it can reach 1 before the last tokens and would drop them). For
+    ``p < 1`` the cumulative sum is taken in float64.
+
+    Args:
+        logits: ``(..., vocab_size)`` float.
+        p: cumulative probability in (0, 1].
+
+    Returns:
+        A tensor of the same shape; the most likely token is always kept.
+
+    Raises:
+        TypeError / ValueError: if ``p`` is not a number in (0, 1].
+    """
+    _check_top_p(p)
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = sorted_logits.double().softmax(dim=-1)
+    # Drop a token when the tokens before it already reach p (so the first one always stays).
+    drop_sorted = (probs.cumsum(dim=-1) - probs) >= p
+    drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample_next_token(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Pick one token id per row from next-token logits.
+
+    Args:
+        logits: ``(B, vocab_size)`` float, the logits at the last position.
+        temperature: divides the logits; ``0`` means greedy (argmax; ``top_k`` / ``top_p`` change nothing then).
+        top_k: keep only the ``top_k`` most likely tokens before sampling.
+        top_p: keep only the nucleus of cumulative probability ``top_p``.
+        generator: a ``torch.Generator`` for reproducible sampling.
+
+    Returns:
+        ``(B, 1)`` int64 token ids.
+
+    Raises:
+        TypeError / ValueError: as :func:`check_sampling`.
+    """
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    # Shift before dividing: a tiny temperature then sends the others to -inf, never inf - inf = nan.
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None:
+        logits = top_p_filter(logits, top_p)
+    probs = torch.softmax(logits.float(), dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
