@@ -271,56 +271,60 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu"):
     return model, ckpt
 
 
-def main(argv: list[str] | None = None) -> History:
-    """Command line: train a character GPT on Tiny Shakespeare, print losses and a sample."""
+def _parser() -> argparse.ArgumentParser:
+    from attnlib import _cli
     from attnlib.config import GPTConfig
-    from attnlib.data import load_char_corpus
+
+    m, t = GPTConfig(), TrainConfig()
+    p = argparse.ArgumentParser(prog="python -m attnlib.train", description=main.__doc__)
+    for flag, kind, default in [
+        ("--attention", str, m.attention), ("--d-model", _cli.positive_int, m.d_model),
+        ("--n-heads", _cli.positive_int, m.n_heads), ("--n-kv-heads", _cli.positive_int, None),
+        ("--n-layers", _cli.positive_int, m.n_layers), ("--block-size", _cli.positive_int, m.block_size),
+        ("--dropout", _cli.fraction, m.dropout), ("--batch-size", _cli.positive_int, t.batch_size),
+        ("--max-iters", _cli.positive_int, t.max_iters), ("--eval-interval", _cli.positive_int, t.eval_interval),
+        ("--eval-iters", _cli.positive_int, t.eval_iters), ("--lr", _cli.positive_float, t.learning_rate),
+        ("--seed", _cli.nonnegative_int, t.seed), ("--device", _cli.device, None),
+        ("--temperature", _cli.nonnegative_float, 1.0), ("--top-k", _cli.positive_int, None),
+        ("--top-p", _cli.top_p, None),
+    ]:
+        p.add_argument(flag, type=kind, default=default, help=f"default: {default}")
+    p.add_argument("--max-new-tokens", "--sample-tokens", dest="max_new_tokens", type=_cli.nonnegative_int,
+                   default=300, help="characters to sample after training (default: 300)")
+    p.add_argument("--data-dir", default=None, help="directory holding tinyshakespeare.txt")
+    p.add_argument("--out", type=_cli.output_dir, default=None, help="directory for model.pt and history.json")
+    return p
+
+
+def main(argv: list[str] | None = None) -> History:
+    """Command line: train a character GPT on Tiny Shakespeare, print losses and a sample.
+
+    Every flag (sizes, rates, sampling, device, output directory) is checked before training: exit 2.
+    """
+    from attnlib.config import GPTConfig
+    from attnlib.data import FILENAME, load_char_corpus
     from attnlib.model import GPT
 
-    defaults_m, defaults_t = GPTConfig(), TrainConfig()
-    p = argparse.ArgumentParser(prog="python -m attnlib.train", description=main.__doc__)
-    p.add_argument("--attention", default=defaults_m.attention)
-    p.add_argument("--d-model", type=int, default=defaults_m.d_model)
-    p.add_argument("--n-heads", type=int, default=defaults_m.n_heads)
-    p.add_argument("--n-kv-heads", type=int, default=None)
-    p.add_argument("--n-layers", type=int, default=defaults_m.n_layers)
-    p.add_argument("--block-size", type=int, default=defaults_m.block_size)
-    p.add_argument("--dropout", type=float, default=defaults_m.dropout)
-    p.add_argument("--batch-size", type=int, default=defaults_t.batch_size)
-    p.add_argument("--max-iters", type=int, default=defaults_t.max_iters)
-    p.add_argument("--eval-interval", type=int, default=defaults_t.eval_interval)
-    p.add_argument("--eval-iters", type=int, default=defaults_t.eval_iters)
-    p.add_argument("--lr", type=float, default=defaults_t.learning_rate)
-    p.add_argument("--seed", type=int, default=defaults_t.seed)
-    p.add_argument("--device", default=None)
-    p.add_argument("--data-dir", default=None, help="directory holding tinyshakespeare.txt")
-    p.add_argument("--out", default=None, help="directory for model.pt and history.json")
-    p.add_argument("--sample-tokens", type=int, default=300)
+    p = _parser()
     args = p.parse_args(argv)
-
-    corpus = load_char_corpus(args.data_dir)
+    try:
+        if args.data_dir is not None and not (Path(args.data_dir) / FILENAME).is_file():
+            raise FileNotFoundError(f"Tiny Shakespeare not found: no {FILENAME} in {args.data_dir}")
+        corpus = load_char_corpus(args.data_dir)
+    except (OSError, ValueError) as e:
+        p.error(f"argument --data-dir: {e}")
+    if args.top_k is not None and args.top_k > corpus.vocab_size:
+        p.error(f"argument --top-k: {args.top_k} exceeds the vocabulary ({corpus.vocab_size} characters)")
+    try:
+        model_config = GPTConfig(vocab_size=corpus.vocab_size, block_size=args.block_size, n_layers=args.n_layers,
+                                 n_heads=args.n_heads, d_model=args.d_model, n_kv_heads=args.n_kv_heads,
+                                 dropout=args.dropout, attention=args.attention)
+        config = TrainConfig(batch_size=args.batch_size, max_iters=args.max_iters, eval_interval=args.eval_interval,
+                             eval_iters=args.eval_iters, learning_rate=args.lr, seed=args.seed, device=args.device)
+    except (TypeError, ValueError) as e:
+        p.error(str(e))
     torch.manual_seed(args.seed)
-    model = GPT(
-        GPTConfig(
-            vocab_size=corpus.vocab_size,
-            block_size=args.block_size,
-            n_layers=args.n_layers,
-            n_heads=args.n_heads,
-            d_model=args.d_model,
-            n_kv_heads=args.n_kv_heads,
-            dropout=args.dropout,
-            attention=args.attention,
-        )
-    )
-    config = TrainConfig(
-        batch_size=args.batch_size,
-        max_iters=args.max_iters,
-        eval_interval=args.eval_interval,
-        eval_iters=args.eval_iters,
-        learning_rate=args.lr,
-        seed=args.seed,
-        device=args.device,
-    )
+    model = GPT(model_config)
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
         print(f"{model.num_parameters():,} parameters; training on {config.device or default_device()}")
@@ -332,15 +336,15 @@ def main(argv: list[str] | None = None) -> History:
     for step, tr, va in zip(history.steps, history.train_loss, history.val_loss):
         print(f"step {step:5d}: train loss {tr:.4f}, val loss {va:.4f}")
     print(f"{history.elapsed_s:.1f} s, {history.tokens_per_s:,.0f} training tokens/s")
+    if args.out:  # saved before sampling: the trained model is kept whatever happens next
+        args.out.mkdir(parents=True, exist_ok=True)
+        save_checkpoint(args.out / "model.pt", model.cpu(), chars="".join(corpus.tokenizer.chars))
+        history.to_json(args.out / "history.json")
+        print(f"saved {args.out / 'model.pt'} and {args.out / 'history.json'}")
     start = torch.tensor([corpus.tokenizer.encode("\n")], device=next(model.parameters()).device)
-    sample = model.generate(start, args.sample_tokens, generator=torch.Generator(start.device).manual_seed(args.seed))
+    sample = model.generate(start, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, generator=torch.Generator(start.device).manual_seed(args.seed))
     print(corpus.tokenizer.decode(sample[0].tolist()))
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        save_checkpoint(out / "model.pt", model.cpu(), chars="".join(corpus.tokenizer.chars))
-        history.to_json(out / "history.json")
-        print(f"saved {out / 'model.pt'} and {out / 'history.json'}")
     return history
 
 

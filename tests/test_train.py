@@ -61,14 +61,13 @@ def test_train_rejects_a_model_without_block_size():
 
 
 def test_command_line_trains_saves_and_loads(tmp_path, capsys, monkeypatch):
-    import os
-
-    if not os.environ.get("ATTNLIB_DATA_DIR"):
-        pytest.skip("ATTNLIB_DATA_DIR is not set")
+    needs_data()
     history = main(
         ["--max-iters", "20", "--eval-interval", "10", "--eval-iters", "2", "--d-model", "16", "--n-heads", "2",
-         "--n-layers", "1", "--device", "cpu", "--sample-tokens", "20", "--out", str(tmp_path)]
+         "--n-layers", "1", "--device", "cpu", "--max-new-tokens", "20", "--top-k", "5", "--temperature", "0.8",
+         "--out", str(tmp_path / "new" / "run")]
     )
+    tmp_path = tmp_path / "new" / "run"  # created only when saving
     out = capsys.readouterr().out
     assert "step    20: train loss" in out and "parameters" in out
     assert json.loads((tmp_path / "history.json").read_text())["val_loss"] == history.val_loss
@@ -76,3 +75,96 @@ def test_command_line_trains_saves_and_loads(tmp_path, capsys, monkeypatch):
     assert model.config.d_model == 16 and len(extra["chars"]) == 65
     idx = torch.randint(0, 65, (1, 32))
     assert torch.isfinite(model(idx)[0]).all()
+
+
+# ------------------------------------------------------------------ the command line refuses bad flags up front
+
+def needs_data():
+    import os
+
+    if not os.environ.get("ATTNLIB_DATA_DIR"):
+        pytest.skip("ATTNLIB_DATA_DIR is not set")
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """Training must never start when a flag is bad: fail loudly if it does."""
+    import attnlib.train
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("training started although a flag was bad")
+
+    monkeypatch.setattr(attnlib.train, "train", refuse)
+
+
+def exits_2(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("python -m attnlib.train: error: ")
+    return err.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lr", "-1"], "argument --lr: -1.0 is not > 0"),
+        (["--lr", "nan"], "argument --lr: 'nan' is not a finite number"),
+        (["--max-iters", "0"], "argument --max-iters: 0 is not a positive integer"),
+        (["--batch-size", "2.5"], "argument --batch-size: '2.5' is not an integer"),
+        (["--d-model", "-64"], "argument --d-model: -64 is not a positive integer"),
+        (["--dropout", "1"], "argument --dropout: 1.0 is not in [0, 1)"),
+        (["--temperature", "-0.5"], "argument --temperature: -0.5 is negative"),
+        (["--temperature", "inf"], "argument --temperature: 'inf' is not a finite number"),
+        (["--top-k", "0"], "argument --top-k: 0 is not a positive integer"),
+        (["--top-p", "0"], "argument --top-p: 0.0 is not in (0, 1]"),
+        (["--top-p", "1.5"], "argument --top-p: 1.5 is not in (0, 1]"),
+        (["--max-new-tokens", "-1"], "argument --max-new-tokens/--sample-tokens: -1 is negative"),
+        (["--device", "tpu"], "argument --device: 'tpu' is not a torch device"),
+        (["--max-iters"], "argument --max-iters: expected one argument"),
+        (["--learning-rate", "1e-3"], "unrecognized arguments: --learning-rate"),
+    ],
+)
+def test_command_line_bad_flag_is_an_argparse_error(argv, message, capsys, no_training):
+    assert message in exits_2(argv, capsys)
+
+
+def test_command_line_refuses_an_output_directory_it_could_not_write(tmp_path, capsys, no_training):
+    (tmp_path / "a_file").write_text("")
+    line = exits_2(["--out", str(tmp_path / "a_file" / "run")], capsys)
+    assert "argument --out:" in line and "exists and is not a directory" in line and str(tmp_path / "a_file") in line
+
+
+def test_command_line_refuses_cuda_without_a_cuda_device(capsys, no_training):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert "argument --device: 'cuda': this machine has no CUDA device" in exits_2(["--device", "cuda"], capsys)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--n-heads", "3"], "d_model=64 is not divisible by n_heads=3"),
+        (["--attention", "flash"], "attention='flash'"),
+        (["--top-k", "100"], "argument --top-k: 100 exceeds the vocabulary (65 characters)"),
+    ],
+)
+def test_command_line_model_settings_are_checked_before_training(argv, message, capsys, no_training):
+    needs_data()
+    assert message in exits_2(argv, capsys)
+
+
+def test_command_line_bad_data_dir(tmp_path, capsys, no_training):
+    line = exits_2(["--data-dir", str(tmp_path)], capsys)
+    assert line.startswith("python -m attnlib.train: error: argument --data-dir: Tiny Shakespeare not found")
+
+
+def test_command_line_bad_flag_from_a_shell_is_one_error_line_not_a_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "attnlib.train", "--top-p", "2"], capture_output=True, text=True,
+                            cwd=tmp_path, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1] == "python -m attnlib.train: error: argument --top-p: 2.0 is not in (0, 1]"
