@@ -26,6 +26,7 @@ Conventions (chapter 03):
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from functools import lru_cache
 
@@ -85,6 +86,8 @@ def check_attention_inputs(
         raise ValueError(f"q, k, v must have the same rank; got shapes {_shape(q)}, {_shape(k)}, {_shape(v)}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must share head_dim; got q {_shape(q)} and k {_shape(k)}")
+    if q.shape[-1] == 0:
+        raise ValueError(f"head_dim=0: q and k need at least one feature (the scale is 1/sqrt(head_dim)); got q {_shape(q)}")
     if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"k and v must agree in every dim but the last; got k {_shape(k)} and v {_shape(v)}")
     if k.shape[-2] == 0:
@@ -93,7 +96,7 @@ def check_attention_inputs(
         if q.shape[0] != k.shape[0]:
             raise ValueError(f"q and k must have the same batch size B; got q {_shape(q)} and k {_shape(k)}")
         n_heads, n_kv_heads = q.shape[1], k.shape[1]
-        if n_kv_heads == 0 or n_heads % n_kv_heads:
+        if n_heads == 0 or n_kv_heads == 0 or n_heads % n_kv_heads:
             raise ValueError(
                 f"q's n_heads={n_heads} must be a multiple of k's n_kv_heads={n_kv_heads} "
                 f"(grouped-query attention); got q {_shape(q)} and k {_shape(k)}"
@@ -174,7 +177,14 @@ def padding_mask(lengths: torch.Tensor | list[int], T: int, device: torch.device
         ValueError: ``T < 0``, ``lengths`` not 1-D, or a length outside ``[0, T]``.
     """
     _check_length("T", T)
-    lengths = torch.as_tensor(lengths, device=device)
+    if not isinstance(lengths, torch.Tensor):
+        if isinstance(lengths, (str, bytes)) or not isinstance(lengths, (list, tuple)):
+            raise TypeError(f"lengths must be a 1-D integer tensor or a list of ints; got {type(lengths).__name__}")
+        bad = [n for n in lengths if isinstance(n, bool) or not isinstance(n, numbers.Integral)]
+        if bad:
+            raise TypeError(f"lengths must be integers; got {bad[0]!r} in {lengths!r}")
+        lengths = torch.tensor([int(n) for n in lengths], dtype=torch.long)  # [] -> an empty batch, not float
+    lengths = lengths.to(device) if device is not None else lengths
     if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
         raise TypeError(f"lengths must be integers; got dtype {lengths.dtype}")
     if lengths.dim() != 1:
@@ -294,7 +304,10 @@ def attention(
     if group > 1:  # fold each group of query heads into the query axis: K/V heads are read as they are
         B, H = q.shape[:2]
         q = q.reshape(B, k.shape[1], group * T_q, q.shape[-1])  # (B, H, T_q, d) -> (B, n_kv, group*T_q, d)
-    scores = (q * scale) @ k.transpose(-2, -1)  # (..., T_q, d) @ (..., d, T_k) -> (..., T_q, T_k)
+    # float16 scores overflow past 65504 where SDPA's kernels, which accumulate in float32, stay finite:
+    # float16 scores and softmax are computed in float32 (no-op casts for every other dtype).
+    work = torch.float32 if q.dtype == torch.float16 else q.dtype
+    scores = (q.to(work) * scale) @ k.to(work).transpose(-2, -1)  # (..., T_q, d) @ (..., d, T_k) -> (..., T_q, T_k)
     if group > 1:
         scores = scores.view(B, H, T_q, T_k)  # back to one row block per query head (a view)
     if score_mod is not None:
@@ -311,6 +324,7 @@ def attention(
         weights = masked_softmax(scores, full)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
+    weights = weights.to(v.dtype)
     if group > 1:
         out = weights.view(B, k.shape[1], group * T_q, T_k) @ v  # (B, n_kv, g*T_q, T_k) @ (B, n_kv, T_k, d_v)
         return out.view(B, H, T_q, v.shape[-1]), weights

@@ -5,6 +5,8 @@ here so the formula is on the page.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -14,8 +16,18 @@ __all__ = ["LayerNorm", "RMSNorm"]
 
 
 def _eps(eps: float) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0:
-        raise ValueError(f"eps={eps!r} must be a number >= 0")
+    """Raise TypeError unless ``eps`` is a real number, ValueError unless it is finite and > 0."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float; got {eps!r} ({type(eps).__name__})")
+    if not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps={eps!r} must be a finite number > 0 (it keeps the division away from 0)")
+
+
+def _check_input(x: object, d: int) -> None:
+    """``float_input`` for ``(..., d)`` inputs, 1-D included."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor of shape (..., d={d}); got {type(x).__name__}")
+    float_input(x if x.dim() > 1 else x[None], d)
 
 
 class LayerNorm(nn.Module):
@@ -32,7 +44,8 @@ class LayerNorm(nn.Module):
         ``(…, d)`` → ``(…, d)``.
 
     Raises:
-        ValueError / TypeError: a bad ``d`` or ``eps``; an input whose last dimension is not ``d``.
+        TypeError: ``d`` not an int, ``eps`` not a number, an input that is not a float tensor.
+        ValueError: ``d < 1``, ``eps`` not finite and > 0, an input whose last dimension is not ``d``.
     """
 
     def __init__(self, d: int, eps: float = 1e-5, bias: bool = True) -> None:
@@ -44,7 +57,7 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(d)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        float_input(x if x.dim() > 1 else x[None], self.d)
+        _check_input(x, self.d)
         mean = x.mean(dim=-1, keepdim=True)  # (..., 1)
         var = (x - mean).pow(2).mean(dim=-1, keepdim=True)  # (..., 1), biased
         y = (x - mean) * torch.rsqrt(var + self.eps) * self.weight
@@ -66,7 +79,8 @@ class RMSNorm(nn.Module):
         ``(…, d)`` → ``(…, d)``.
 
     Raises:
-        ValueError / TypeError: a bad ``d`` or ``eps``; an input whose last dimension is not ``d``.
+        TypeError: ``d`` not an int, ``eps`` not a number, an input that is not a float tensor.
+        ValueError: ``d < 1``, ``eps`` not finite and > 0, an input whose last dimension is not ``d``.
     """
 
     def __init__(self, d: int, eps: float = 1e-6) -> None:
@@ -77,5 +91,5 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        float_input(x if x.dim() > 1 else x[None], self.d)
+        _check_input(x, self.d)
         return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.weight

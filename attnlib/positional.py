@@ -130,14 +130,19 @@ class RotaryEmbedding(nn.Module):
         base: the wavelength scale (10000 as in the paper and LLaMA).
 
     Raises:
-        TypeError / ValueError: ``head_dim`` not a positive even int, ``base <= 1``.
+        TypeError / ValueError: ``head_dim`` not a positive even int; ``base`` not a number, not finite, or ``<= 1``.
+
+    (The rotation is :meth:`rotate`, not ``apply``: ``apply`` is ``nn.Module.apply(fn)``, which
+    ``model.apply(init_fn)`` calls on every submodule.)
     """
 
     def __init__(self, head_dim: int, base: float = 10000.0) -> None:
         super().__init__()
         _even("head_dim", head_dim)
-        if not isinstance(base, (int, float)) or isinstance(base, bool) or base <= 1:
-            raise ValueError(f"base={base!r} must be a number > 1")
+        if not isinstance(base, (int, float)) or isinstance(base, bool):
+            raise TypeError(f"base must be a float; got {base!r} ({type(base).__name__})")
+        if not math.isfinite(base) or base <= 1:
+            raise ValueError(f"base={base!r} must be a finite number > 1")
         self.head_dim, self.base = head_dim, float(base)
         inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (head_dim/2,)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -146,7 +151,7 @@ class RotaryEmbedding(nn.Module):
         """Rotation angles ``(…, T, head_dim / 2)`` for integer or float ``positions`` of shape ``(…, T)``."""
         return positions.to(torch.float32)[..., None] * self.inv_freq  # (..., T, 1) * (hd/2,) -> (..., T, hd/2)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate ``x`` by its positions.
 
         Args:
@@ -173,5 +178,5 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)  # rotate each pair by its angle
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Same as :meth:`apply`."""
-        return self.apply(x, positions)
+        """Same as :meth:`rotate`."""
+        return self.rotate(x, positions)

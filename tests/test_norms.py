@@ -1,4 +1,6 @@
 """LayerNorm and RMSNorm written out equal PyTorch's layers (chapter 10)."""
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -37,10 +39,36 @@ def test_layernorm_equals_torch(bias):
     torch.testing.assert_close(ours(x), ref(x))
 
 
+@pytest.mark.parametrize("norm", [RMSNorm, LayerNorm])
+@pytest.mark.parametrize(
+    "eps, error, message",
+    [
+        (0.0, ValueError, "eps=0.0"),
+        (-1.0, ValueError, "eps=-1.0"),
+        (float("nan"), ValueError, "eps=nan"),
+        (float("inf"), ValueError, "eps=inf"),
+        ("1e-5", TypeError, "'1e-5'"),
+    ],
+    ids=["zero", "negative", "nan", "inf", "str"],
+)
+def test_eps_must_be_finite_and_positive(norm, eps, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        norm(8, eps=eps)
+
+
 def test_norm_errors():
-    with pytest.raises(ValueError):
-        RMSNorm(8, eps=-1.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=re.escape("(B, T, d_model=8); got (2, 7)")):
         LayerNorm(8)(torch.randn(2, 7))
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=re.escape("d must be an int; got 0.5")):
         RMSNorm(0.5)
+    with pytest.raises(TypeError, match="got list"):
+        RMSNorm(4)([1.0, 2.0, 3.0, 4.0])
+    with pytest.raises(TypeError, match="torch.int64"):
+        LayerNorm(4)(torch.ones(2, 4, dtype=torch.long))
+
+
+def test_empty_and_one_dimensional_inputs():
+    x = torch.randn(0, 8)
+    assert RMSNorm(8)(x).shape == (0, 8) and LayerNorm(8)(x).shape == (0, 8)
+    v = torch.randn(8)
+    torch.testing.assert_close(RMSNorm(8)(v), torch.nn.RMSNorm(8, eps=1e-6)(v))

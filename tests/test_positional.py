@@ -1,5 +1,6 @@
 """Positional encodings (chapter 10): sinusoidal values, learned table, RoPE's relative-offset property."""
 import math
+import re
 
 import pytest
 import torch
@@ -48,8 +49,8 @@ def test_rope_scores_depend_only_on_offset():
     q, k = torch.randn(16, generator=g), torch.randn(16, generator=g)
 
     def score(m, n):
-        qm = rope.apply(q[None, :], torch.tensor([m]))
-        kn = rope.apply(k[None, :], torch.tensor([n]))
+        qm = rope.rotate(q[None, :], torch.tensor([m]))
+        kn = rope.rotate(k[None, :], torch.tensor([n]))
         return (qm * kn).sum().item()
 
     for m, n, s in [(3, 1, 5), (0, 7, 20), (10, 10, 33)]:
@@ -60,13 +61,13 @@ def test_rope_scores_depend_only_on_offset():
 def test_rope_is_a_rotation_and_half_split():
     rope = RotaryEmbedding(8)
     x = torch.randn(2, 3, 5, 8)
-    y = rope.apply(x)
+    y = rope.rotate(x)
     torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
     torch.testing.assert_close(y[..., 0, :], x[..., 0, :])  # position 0: no rotation
     # half-split pairing: pair 0 is (x[0], x[4]), rotated by 1 radian at position 1
     v = torch.zeros(1, 2, 8)
     v[0, 1, 0] = 1.0
-    out = rope.apply(v)
+    out = rope.rotate(v)
     assert out[0, 1, 0].item() == pytest.approx(math.cos(1.0), abs=1e-6)
     assert out[0, 1, 4].item() == pytest.approx(math.sin(1.0), abs=1e-6)
 
@@ -76,6 +77,36 @@ def test_rope_errors():
         RotaryEmbedding(7)
     rope = RotaryEmbedding(8)
     with pytest.raises(ValueError):
-        rope.apply(torch.randn(2, 5, 6))
+        rope.rotate(torch.randn(2, 5, 6))
     with pytest.raises(ValueError, match="positions"):
-        rope.apply(torch.randn(2, 5, 8), torch.arange(4))
+        rope.rotate(torch.randn(2, 5, 8), torch.arange(4))
+
+
+def test_rope_does_not_shadow_module_apply():
+    """nn.Module.apply(fn) visits every submodule: RoPE's rotation must not take its name."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), RotaryEmbedding(8))
+    seen = []
+    assert model.apply(lambda m: seen.append(type(m).__name__)) is model
+    assert seen == ["Linear", "RotaryEmbedding", "Sequential"]
+    model.apply(lambda m: torch.nn.init.zeros_(m.weight) if isinstance(m, torch.nn.Linear) else None)
+    assert torch.equal(model[0].weight, torch.zeros(8, 8))
+    x = torch.randn(2, 5, 8)
+    torch.testing.assert_close(model[1](x), model[1].rotate(x))  # forward is the rotation
+
+
+@pytest.mark.parametrize(
+    "base, error, message",
+    [
+        (0.0, ValueError, "base=0.0"),
+        (-10.0, ValueError, "base=-10.0"),
+        (1.0, ValueError, "base=1.0"),
+        (float("nan"), ValueError, "base=nan"),
+        (float("inf"), ValueError, "base=inf"),
+        ("10000", TypeError, "'10000'"),
+        (True, TypeError, "True"),
+    ],
+    ids=["zero", "negative", "one", "nan", "inf", "str", "bool"],
+)
+def test_rope_base_must_be_a_finite_number_above_one(base, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        RotaryEmbedding(8, base=base)

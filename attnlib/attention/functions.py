@@ -26,6 +26,6 @@ def get_attention_function(name: str) -> Callable:
     Raises:
         ValueError: an unknown name (the message lists the known ones).
     """
-    if name not in ATTENTION_FUNCTIONS:
+    if not isinstance(name, str) or name not in ATTENTION_FUNCTIONS:
         raise ValueError(f"attn_fn={name!r} is not one of {sorted(ATTENTION_FUNCTIONS)}")
     return ATTENTION_FUNCTIONS[name]

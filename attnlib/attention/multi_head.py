@@ -81,9 +81,9 @@ class MultiHeadAttention(nn.Module):
         for name, value in (("bias", bias), ("causal", causal)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool; got {value!r}")
-        if attn_fn not in ATTENTION_FUNCTIONS:
+        if not isinstance(attn_fn, str) or attn_fn not in ATTENTION_FUNCTIONS:
             raise ValueError(f"attn_fn={attn_fn!r} is not one of {sorted(ATTENTION_FUNCTIONS)}")
-        if kv_sharing not in KV_SHARING:
+        if not isinstance(kv_sharing, str) or kv_sharing not in KV_SHARING:
             raise ValueError(f"kv_sharing={kv_sharing!r} is not one of {KV_SHARING}")
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.head_dim = d_model // n_heads
