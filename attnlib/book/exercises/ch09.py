@@ -58,7 +58,7 @@ def check_cross_attention_weights(fn) -> None:
         ones = torch.ones(T_q, T_k, dtype=torch.bool)
         for tril in (ones.tril(), ones.tril(T_k - T_q)):
             # the source's bug: a lower triangle over the context's keys (top-left or bottom-right aligned)
-            full = tril if mask is None else tril & mask[:, None, :]
+            full = tril[None] if mask is None else tril & mask[:, None, :]  # (1 or B, T_q, T_k): the scores' rank
             with_tril = attention(q, k, torch.zeros(*k.shape[:-1], 1), full)[1].double()
             expect(torch.equal(tril, torch.ones_like(tril)) or not torch.allclose(answer, with_tril, atol=1e-6),
                    f"{label}: your weights are zero above a diagonal; cross-attention has no causal mask, "
