@@ -20,8 +20,12 @@ def future_moves_past(model, T=16) -> bool:
 def test_build_model_and_leaks(variant):
     before = dict(ATTENTION_REGISTRY)
     model = ca.build_model(variant).eval()
-    assert ATTENTION_REGISTRY == before  # leaky classes never stay registered
-    assert model.config.attention == variant and model.config.n_kv_heads == 2 and model.config.kv_latent_dim == 16
+    assert ATTENTION_REGISTRY == before  # leaky classes are never registered
+    assert model.config.attention == ca.LEAKY_BASE.get(variant, variant)
+    assert model.config.n_kv_heads == (2 if variant == "gqa" else None)
+    assert model.config.kv_latent_dim == (16 if variant == "mla" else None)
+    if variant in ca.LEAKY_VARIANTS:
+        assert all(type(block.attn) is ca.LEAKY_VARIANTS[variant] for block in model.blocks)
     assert future_moves_past(model) == (variant in ca.LEAKY_VARIANTS)
 
 
@@ -47,9 +51,11 @@ def test_same_seed_and_data_order_for_every_variant(monkeypatch):
 
 @pytest.fixture
 def committed():
-    if not ca.RESULTS_PATH.is_file():
-        pytest.fail(f"{ca.RESULTS_PATH} is missing: chapter 13 reads it")
-    return json.loads(ca.RESULTS_PATH.read_text())
+    from attnlib.book import results
+
+    path = results.path("compare_attention")  # raises FileNotFoundError when the package lacks it
+    assert ca.load_results() == json.loads(path.read_text())
+    return ca.load_results()
 
 
 def test_committed_results_come_from_the_full_run(committed):
@@ -70,3 +76,70 @@ def test_committed_results_are_honest(committed):
     assert set(causal) == set(ca.VARIANTS) and set(leaky) == set(ca.LEAKY_VARIANTS)
     assert all(1.6 < loss < 2.2 for loss in causal.values()), causal
     assert all(loss < 1.0 for loss in leaky.values()), leaky
+
+
+def test_load_results_from_a_path_and_a_missing_path(tmp_path):
+    (tmp_path / "r.json").write_text('{"variants": {}}')
+    assert ca.load_results(tmp_path / "r.json") == {"variants": {}}
+    with pytest.raises(FileNotFoundError, match="no results at .*missing.json"):
+        ca.load_results(tmp_path / "missing.json")
+
+
+def test_unknown_results_file():
+    from attnlib.book import results
+
+    with pytest.raises(ValueError, match="name='bench_flash' is not a committed results file"):
+        results.load("bench_flash")
+
+
+# ------------------------------------------------------------------ the command line refuses bad flags up front
+
+@pytest.fixture
+def no_training(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("training started although a flag was bad")
+
+    monkeypatch.setattr(ca, "compare", refuse)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--variants", "mha,flash"], "argument --variants: 'mha,flash': expected comma-separated names"),
+        (["--variants", ","], "argument --variants: ','"),
+        (["--max-iters", "0"], "argument --max-iters: 0 is not a positive integer"),
+        (["--eval-iters", "-3"], "argument --eval-iters: -3 is not a positive integer"),
+        (["--eval-interval", "ten"], "argument --eval-interval: 'ten' is not an integer"),
+        (["--device", "gpu"], "argument --device: 'gpu' is not a torch device"),
+        (["--out", ""], "argument --out: '' is not a file name"),
+        (["--out", "results/"], "argument --out: 'results/' is not a file name"),
+        (["--steps", "5"], "unrecognized arguments: --steps"),
+    ],
+)
+def test_command_line_bad_flag_is_an_argparse_error(argv, message, capsys, no_training):
+    with pytest.raises(SystemExit) as exit_info:
+        ca.main(argv)
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("python -m attnlib.book.experiments.compare_attention: error: ") and message in last
+
+
+def test_command_line_refuses_an_output_path_it_could_not_write(tmp_path, capsys, no_training):
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "a_dir").mkdir()
+    for out, message in ((tmp_path / "a_file" / "r.json", "exists and is not a directory"),
+                         (tmp_path / "a_dir", "is a directory (expected a file name)")):
+        with pytest.raises(SystemExit) as exit_info:
+            ca.main(["--out", str(out)])
+        assert exit_info.value.code == 2
+        last = capsys.readouterr().err.splitlines()[-1]
+        assert "error: argument --out:" in last and message in last
+
+
+def test_command_line_writes_its_default_path_under_the_current_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(ca, "compare", lambda *a, **k: {"meta": {}, "variants": {}})
+    ca.main(["--max-iters", "1"])
+    assert json.loads((tmp_path / "results" / "compare_attention.json").read_text())["meta"]["command"].endswith(
+        "--max-iters 1")
+    assert str(ca.DEFAULT_OUT) == "results/compare_attention.json"

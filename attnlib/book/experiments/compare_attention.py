@@ -2,7 +2,12 @@
 
 Chapter 13. The full run (about 15 minutes on a 2-core CPU)::
 
-    python -m attnlib.book.experiments.compare_attention --out results/compare_attention.json
+    python -m attnlib.book.experiments.compare_attention --include-leaky --eval-iters 50
+
+writes ``results/compare_attention.json`` under the current directory (``--out FILE`` to
+choose; every flag, the output path included, is checked before training starts). The
+committed run the chapter reads ships inside the package (:mod:`attnlib.book.results`);
+:func:`load_results` reads it.
 
 Every variant gets the same configuration (the source's: d_model 64, 4 heads,
 n_kv_heads 2, 4 layers, block 32, batch 16, lr 1e-3, 5000 steps, evaluation every 100
@@ -26,59 +31,78 @@ from pathlib import Path
 import torch
 
 import attnlib
+from attnlib import _cli
 from attnlib.attention import ATTENTION_REGISTRY, BiasedTalkingHeadsAttention, MultiHeadAttention
+from attnlib.book import results as results_files
 from attnlib.config import GPTConfig
 from attnlib.data import load_char_corpus
 from attnlib.model import GPT
 from attnlib.train import TrainConfig, train
 
-__all__ = ["MODEL", "TRAINING", "VARIANTS", "LEAKY_VARIANTS", "RESULTS_PATH", "compare", "load_results", "main"]
+__all__ = ["MODEL", "TRAINING", "VARIANTS", "LEAKY_VARIANTS", "DEFAULT_OUT", "compare", "load_results", "main"]
 
 #: The source notebook's model and training settings.
 MODEL = dict(vocab_size=65, block_size=32, n_layers=4, n_heads=4, n_kv_heads=2, d_model=64, kv_latent_dim=16)
 TRAINING = dict(batch_size=16, max_iters=5000, eval_interval=100, eval_iters=200, learning_rate=1e-3, seed=1337)
 VARIANTS = ("mha", "talking_heads", "mqa", "gqa", "mla")
 
-#: The committed results of the full run (in the repository, beside the package).
-RESULTS_PATH = Path(__file__).resolve().parents[2] / "results" / "compare_attention.json"
+#: Where the command line writes its results unless ``--out`` says otherwise (relative to the current directory).
+DEFAULT_OUT = Path("results") / "compare_attention.json"
 
 
 class NonCausalSelfAttention(MultiHeadAttention):
     """**Leaks on purpose**: multi-head attention with the causal mask left out."""
 
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__(config.d_model, config.n_heads, config.block_size, config.dropout, config.bias, causal=False)
-
-    @staticmethod
-    def kv_cache_size(config: GPTConfig) -> int:
-        return 2 * config.n_heads * config.head_dim
+    def __init__(self, d_model: int, n_heads: int, **kwargs) -> None:
+        super().__init__(d_model, n_heads, **{**kwargs, "causal": False})
 
 
 #: Models that can see the next token: trained only to show what such a leak looks like.
 LEAKY_VARIANTS = {"talking_heads_biased": BiasedTalkingHeadsAttention, "mha_no_mask": NonCausalSelfAttention}
+#: The registry variant each leaky model is built from (its blocks then get the leaky layer).
+LEAKY_BASE = {"talking_heads_biased": "talking_heads", "mha_no_mask": "mha"}
 
 
-def build_model(variant: str, config: GPTConfig | None = None) -> GPT:
-    """A GPT whose attention is ``variant`` (a registry name or a key of :data:`LEAKY_VARIANTS`)."""
+def variant_config(variant: str, model: dict | None = None) -> GPTConfig:
+    """The :class:`GPTConfig` of ``variant`` from the shared settings :data:`MODEL` (and ``model``'s overrides).
+
+    ``n_kv_heads`` goes to ``gqa`` only and ``kv_latent_dim`` to ``mla`` only (a config refuses
+    them for a variant they do not describe); a leaky variant gets its base's config.
+
+    Raises:
+        ValueError: ``variant`` is neither a registry name nor a key of :data:`LEAKY_VARIANTS`.
+    """
     known = (*ATTENTION_REGISTRY, *LEAKY_VARIANTS)
     if variant not in known:
         raise ValueError(f"variant={variant!r} is not one of {known}")
-    config = config or GPTConfig(**MODEL)
-    if variant in ATTENTION_REGISTRY:
-        return GPT(GPTConfig(**{**asdict(config), "attention": variant}))
-    ATTENTION_REGISTRY[variant] = LEAKY_VARIANTS[variant]  # registered only while the model is built
-    try:
-        return GPT(GPTConfig(**{**asdict(config), "attention": variant}))
-    finally:
-        del ATTENTION_REGISTRY[variant]
+    settings = {**MODEL, **(model or {})}
+    n_kv_heads, latent = settings.pop("n_kv_heads", None), settings.pop("kv_latent_dim", None)
+    attention = LEAKY_BASE.get(variant, variant)
+    return GPTConfig(**settings, attention=attention, n_kv_heads=n_kv_heads if attention == "gqa" else None,
+                     kv_latent_dim=latent if attention == "mla" else None)
+
+
+def build_model(variant: str, model: dict | None = None) -> GPT:
+    """A GPT whose attention is ``variant`` (a registry name or a key of :data:`LEAKY_VARIANTS`).
+
+    A leaky model is its base variant's GPT (same initial weights outside attention) whose
+    blocks then get the leaky attention layer, with that layer's own initial weights.
+    """
+    config = variant_config(variant, model)
+    gpt = GPT(config)
+    if variant in LEAKY_VARIANTS:
+        for block in gpt.blocks:
+            block.attn = LEAKY_VARIANTS[variant](config.d_model, config.n_heads, block_size=config.block_size,
+                                                 dropout=config.dropout, bias=config.bias)
+    return gpt
 
 
 def _machine() -> dict:
+    """The machine and versions; ``commit`` is the git commit of the current directory (run it from the checkout)."""
     commit = "unknown"
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=Path(__file__).resolve().parent,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         pass
@@ -123,18 +147,22 @@ def compare(
         loss curves (``steps, train_loss, val_loss``), ``final_train_loss``,
         ``final_val_loss``, ``parameters``, ``tokens_per_s`` (training only),
         ``elapsed_s``, ``kv_cache_bytes_per_token`` (all layers, fp32) and ``causal``.
+
+    Raises:
+        ValueError: an unknown variant or settings a variant's config refuses (before any training).
     """
-    model_cfg = GPTConfig(**{**MODEL, **(model or {})})
+    settings = {**MODEL, **(model or {})}
+    for variant in variants:
+        variant_config(variant, model)  # every variant's settings are checked before the first one trains
     train_cfg = TrainConfig(**{**TRAINING, **(training or {})}, device=device)
     corpus = load_char_corpus()
-    if corpus.vocab_size != model_cfg.vocab_size:
-        raise ValueError(f"vocab_size={model_cfg.vocab_size} but the corpus has {corpus.vocab_size} characters")
-    results = {"meta": _machine(), "model": asdict(model_cfg), "training": asdict(train_cfg), "variants": {}}
+    if corpus.vocab_size != settings["vocab_size"]:
+        raise ValueError(f"vocab_size={settings['vocab_size']} but the corpus has {corpus.vocab_size} characters")
+    results = {"meta": _machine(), "model": settings, "training": asdict(train_cfg), "variants": {}}
     results["meta"]["device"] = str(train_cfg.device or attnlib.device())
     for variant in variants:
         torch.manual_seed(train_cfg.seed)  # same seed: identical initial weights where all shapes agree (mha, talking heads)
-        gpt = build_model(variant, model_cfg)
-        attn_cls = type(gpt.blocks[0].attn)
+        gpt = build_model(variant, model)
         if progress:
             print(f"{variant}: {gpt.num_parameters():,} parameters", file=sys.stderr)
         history = train(gpt, corpus.train, corpus.val, train_cfg, progress=progress)
@@ -145,15 +173,21 @@ def compare(
             "final_train_loss": history.train_loss[-1],
             "final_val_loss": history.val_loss[-1],
             "parameters": gpt.num_parameters(),
-            "kv_cache_bytes_per_token": attn_cls.kv_cache_size(model_cfg) * model_cfg.n_layers * 4,
+            "kv_cache_bytes_per_token": gpt.kv_cache_bytes_per_token(torch.float32),
             "causal": variant in ATTENTION_REGISTRY,
         }
     return results
 
 
 def load_results(path: str | Path | None = None) -> dict:
-    """Read a results file written by :func:`main` (default: the committed :data:`RESULTS_PATH`)."""
-    path = Path(path) if path is not None else RESULTS_PATH
+    """Read a results file written by :func:`main`; ``None`` = the committed full run (:mod:`attnlib.book.results`).
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+    """
+    if path is None:
+        return results_files.load("compare_attention")
+    path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
             f"no results at {path}; run `python -m attnlib.book.experiments.compare_attention --out {path}` first"
@@ -172,29 +206,43 @@ def format_table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def _variants(text: str) -> tuple[str, ...]:
+    names = tuple(v for v in text.replace(" ", ",").split(",") if v)
+    unknown = [v for v in names if v not in (*ATTENTION_REGISTRY, *LEAKY_VARIANTS)]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected comma-separated names from {(*ATTENTION_REGISTRY, *LEAKY_VARIANTS)}"
+        )
+    return names
+
+
 def main(argv: list[str] | None = None) -> dict:
-    """Command line: run the comparison, print the table, write the results file."""
+    """Command line: run the comparison, print the table, write the results file.
+
+    Every flag is checked before the first variant trains (a bad one is an argparse
+    ``error:`` line and exit status 2), so a finished run is never lost to a bad ``--out``.
+    """
     p = argparse.ArgumentParser(prog="python -m attnlib.book.experiments.compare_attention", description=main.__doc__)
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated registry names")
+    p.add_argument("--variants", type=_variants, default=VARIANTS, help="comma-separated registry names")
     p.add_argument("--include-leaky", action="store_true", help=f"also train {', '.join(LEAKY_VARIANTS)}")
-    p.add_argument("--max-iters", type=int, default=TRAINING["max_iters"])
-    p.add_argument("--eval-interval", type=int, default=TRAINING["eval_interval"])
-    p.add_argument("--eval-iters", type=int, default=TRAINING["eval_iters"])
-    p.add_argument("--device", default=None)
-    p.add_argument("--out", default=None, help="where to write the results (JSON)")
+    p.add_argument("--max-iters", type=_cli.positive_int, default=TRAINING["max_iters"])
+    p.add_argument("--eval-interval", type=_cli.positive_int, default=TRAINING["eval_interval"])
+    p.add_argument("--eval-iters", type=_cli.positive_int, default=TRAINING["eval_iters"])
+    p.add_argument("--device", type=_cli.device, default=None, help="default: attnlib.device()")
+    p.add_argument("--out", type=_cli.output_file, default=DEFAULT_OUT,
+                   help=f"where to write the results (JSON); default: {DEFAULT_OUT} under the current directory")
     args = p.parse_args(argv)
-    variants = tuple(v for v in args.variants.split(",") if v)
-    if args.include_leaky:
-        variants += tuple(LEAKY_VARIANTS)
+    variants = args.variants + (tuple(LEAKY_VARIANTS) if args.include_leaky else ())
     training = {"max_iters": args.max_iters, "eval_interval": args.eval_interval, "eval_iters": args.eval_iters}
     results = compare(variants, training, device=args.device)
-    results["meta"]["command"] = "python -m attnlib.book.experiments.compare_attention " + " ".join(argv or sys.argv[1:])
+    results["meta"]["command"] = "python -m attnlib.book.experiments.compare_attention " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
     results["meta"]["load_average_1min_at_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     print(format_table(results))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
-        print(f"wrote {args.out}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {args.out}")
     return results
 
 
