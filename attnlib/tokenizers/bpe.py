@@ -33,6 +33,8 @@ import os
 import time
 from collections.abc import Iterable
 
+from attnlib._checks import token_id_list
+
 __all__ = ["BPETokenizer", "bytes_to_unicode"]
 
 _FORMAT = "attnlib-bpe"
@@ -58,13 +60,7 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 def _check_ids(ids: object, vocab: dict[int, bytes]) -> list[int]:
-    if isinstance(ids, (str, bytes)):
-        raise TypeError(f"ids must be a sequence of ints, got {type(ids).__name__}")
-    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-    for i in ids:
-        if isinstance(i, bool) or not isinstance(i, int) or i not in vocab:
-            raise ValueError(f"id {i!r} is not in the vocabulary of {len(vocab)} tokens")
-    return ids
+    return token_id_list("ids", ids, vocab)  # ids kept from Hugging Face need not be 0..n-1
 
 
 class _Sequence:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from attnlib._checks import token_id_list
+
 __all__ = ["CharTokenizer"]
 
 
@@ -38,14 +40,13 @@ class CharTokenizer:
             raise ValueError(f"character {e.args[0]!r} is not in the vocabulary of {self.vocab_size} characters") from None
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of a sequence of ids (a list or a 1-D tensor); ValueError names an id outside ``[0, vocab_size)``."""
-        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-        out = []
-        for i in ids:
-            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size:
-                raise ValueError(f"id {i!r} is outside the vocabulary [0, {self.vocab_size})")
-            out.append(self.chars[i])
-        return "".join(out)
+        """Text of a sequence of ids (a list or a 1-D tensor of any integer dtype).
+
+        Raises:
+            TypeError: a str, a bool/float tensor, or an element that is not an integer.
+            ValueError: an id outside ``[0, vocab_size)`` (named).
+        """
+        return "".join(self.chars[i] for i in token_id_list("ids", ids, self.vocab_size))
 
     def __repr__(self) -> str:
         return f"CharTokenizer(vocab_size={self.vocab_size})"

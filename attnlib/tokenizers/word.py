@@ -26,6 +26,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from attnlib._checks import token_id_list
+
 __all__ = ["WordTokenizer", "WORD_PATTERN", "PAD", "BOS", "EOS", "UNK", "PAD_ID", "BOS_ID", "EOS_ID", "UNK_ID"]
 
 WORD_PATTERN = re.compile(r"\w+|[^\w\s]")
@@ -154,15 +156,11 @@ class WordTokenizer:
                 stands for a word.
 
         Raises:
+            TypeError: a str, a bool/float tensor, or an element that is not an integer.
             ValueError: an id is outside ``[0, vocab_size)`` (the message names it).
         """
-        if isinstance(ids, (str, bytes)):
-            raise TypeError(f"ids must be a sequence of ints, got {type(ids).__name__}")
-        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
         words = []
-        for i in ids:
-            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size:
-                raise ValueError(f"id {i!r} is outside the vocabulary [0, {self.vocab_size})")
+        for i in token_id_list("ids", ids, self.vocab_size):
             if skip_special_tokens and i in (PAD_ID, BOS_ID, EOS_ID):
                 continue
             words.append(self.itos[i])
@@ -182,8 +180,8 @@ class WordTokenizer:
             ``lengths`` argument of ``attnlib.functional.padding_mask``.
 
         Raises:
-            ValueError: the batch is empty, or ``max_len`` is negative.
-            TypeError: an element is not a sequence of ints.
+            ValueError: the batch is empty, ``max_len`` is negative, or an id is outside the vocabulary (named).
+            TypeError: an element is not a sequence of ints (a bool/float tensor included).
         """
         max_len = _check_max_len(max_len, 0)
         if isinstance(batch, torch.Tensor):
@@ -192,10 +190,8 @@ class WordTokenizer:
             raise ValueError("cannot pad an empty batch")
         rows = []
         for b, seq in enumerate(batch):
-            seq = seq.tolist() if hasattr(seq, "tolist") else seq
-            if isinstance(seq, (str, bytes)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in seq):
-                raise TypeError(f"batch[{b}] must be a sequence of int ids")
-            rows.append(list(seq)[:max_len] if max_len is not None else list(seq))
+            seq = token_id_list(f"batch[{b}]", seq, self.vocab_size)
+            rows.append(seq[:max_len] if max_len is not None else seq)
         T = max(len(r) for r in rows)
         ids = torch.full((len(rows), T), PAD_ID, dtype=torch.long)
         attention_mask = torch.zeros(len(rows), T, dtype=torch.bool)
