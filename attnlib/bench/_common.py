@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import platform
 import statistics
 from collections.abc import Callable, Iterator, Sequence
@@ -13,11 +14,8 @@ from torch.utils import benchmark
 
 import attnlib
 
-__all__ = ["RESULTS_DIR", "environment", "format_environment", "format_table", "load_results", "resolve_device",
+__all__ = ["environment", "load_average", "format_environment", "format_table", "load_results", "resolve_device",
            "threads", "time_calls", "write_json"]
-
-#: Where the full-size results are kept (in the repository, beside the package): ``results/bench_<name>.json``.
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "results"
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,8 +39,13 @@ def threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
+def load_average() -> list[float] | None:
+    """The machine's 1, 5 and 15-minute load averages (``None`` where the OS has none): how busy it was."""
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
 def environment(device: torch.device) -> dict:
-    """Versions and hardware that the numbers depend on."""
+    """Versions and hardware that the numbers depend on, and the load average when asked."""
     env = {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -54,12 +57,17 @@ def environment(device: torch.device) -> dict:
         env["device_name"] = torch.cuda.get_device_name(device)
     else:
         env["device_name"] = platform.processor() or platform.machine()
+    env["cpus"] = os.cpu_count()
+    env["load_average"] = load_average()
     return env
 
 
 def format_environment(env: dict) -> str:
-    """One line: ``torch 2.x | 2 threads | cpu (x86_64)``."""
-    return f"torch {env['torch']} | {env['threads']} threads | {env['device']} ({env['device_name']})"
+    """One line: ``torch 2.x | 2 threads | cpu (x86_64) | load 0.50, 0.40, 0.30``."""
+    line = f"torch {env['torch']} | {env['threads']} threads | {env['device']} ({env['device_name']})"
+    if env.get("load_average"):
+        line += f" | load {', '.join(f'{x:.2f}' for x in env['load_average'])} on {env.get('cpus')} cpus"
+    return line
 
 
 def time_calls(fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1) -> dict[str, float]:
@@ -112,11 +120,15 @@ def write_json(path: str | Path, payload: dict) -> Path:
     return path
 
 
-def load_results(name_or_path: str | Path) -> dict:
-    """Read a results file: a path, or a benchmark name (``"mha"`` → ``results/bench_mha.json``)."""
-    path = Path(name_or_path)
-    if path.suffix != ".json":
-        path = RESULTS_DIR / f"bench_{str(name_or_path).replace('-', '_')}.json"
+def load_results(path: str | Path) -> dict:
+    """Read a results file that ``python -m attnlib.bench <name> --out FILE`` wrote.
+
+    The book's committed results are read with :func:`attnlib.book.results.load` instead.
+
+    Raises:
+        FileNotFoundError: no file at ``path`` (the message gives the command that writes one).
+    """
+    path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no results at {path}; run `python -m attnlib.bench <name> --json {path}` first")
+        raise FileNotFoundError(f"no results at {path}; run `python -m attnlib.bench <name> --out {path}` first")
     return json.loads(path.read_text())

@@ -1,132 +1,249 @@
-"""The command line of :mod:`attnlib.bench`."""
+"""The command line of :mod:`attnlib.bench`: ``python -m attnlib.bench <mha|kv-cache|memory|train> [options]``.
+
+Every flag is checked before anything is measured: a bad size, device, count or output
+path gives argparse's ``error:`` line naming the value, and exit status 2. Each run prints
+its table and writes settings, environment and rows as JSON to ``--out`` (default
+``bench_<name>.json`` in the current directory). ``--small`` runs a tiny configuration
+in seconds (tests, the install check).
+"""
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shlex
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
-from attnlib.bench._common import DTYPES, environment, format_environment, resolve_device, write_json
+import torch
+
+from attnlib.bench._common import DTYPES, environment, format_environment, load_average, resolve_device, write_json
 from attnlib.bench._common import threads as using_threads
-from attnlib.bench.kv_cache import GPT2_SMALL, SMALL, VARIANTS, format_kv_cache, kv_cache_rows
+from attnlib.bench.kv_cache import GPT2_SMALL, TINY, VARIANTS, format_kv_cache, kv_cache_rows
 from attnlib.bench.memory import METHODS, format_memory, memory_rows
-from attnlib.bench.mha import MHA_DEFAULTS, format_mha, mha_rows, mha_summary
+from attnlib.bench.mha import CORES, LAYERS, MHA_DEFAULTS, format_mha, mha_rows, mha_summary
+from attnlib.bench.train import TRAIN_SIZES, TRAIN_SMALL, format_train, train_rows
 
-__all__ = ["main"]
+__all__ = ["BENCHMARKS", "main"]
 
+BENCHMARKS = ("mha", "kv-cache", "memory", "train")
 #: Sizes of ``--small`` runs: seconds on a laptop CPU.
-MHA_SMALL = dict(batch=2, seq_len=128, d_model=128, n_heads=4)
-MEMORY_SMALL = dict(seq_lens=[128, 256, 512], n_heads=4)
+MHA_SMALL = dict(batch=2, seq_len=64, d_model=64, n_heads=4)
+MEMORY_SMALL = dict(seq_lens=[32, 64], n_heads=2, head_dim=16)
+MEMORY_SEQ_LENS = [256, 512, 1024, 2048, 4096]
+ROW_IDS = [f"layer/{k}" for k in LAYERS] + [f"core/{k}" for k in CORES]
 
 
-def _names(text: str) -> list[str]:
-    return [name for name in text.replace(" ", ",").split(",") if name]
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be {'positive' if low == 1 else f'>= {low}'}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
 
 
-def _ints(text: str) -> list[int]:
-    return [int(n) for n in _names(text)]
+positive, non_negative = _int_at_least(1), _int_at_least(0)
+
+
+def _names(choices: tuple[str, ...] | list[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        names = [name for name in text.replace(" ", ",").split(",") if name]
+        if not names:
+            raise argparse.ArgumentTypeError(f"{text!r} names nothing; choose from {','.join(choices)}")
+        if unknown := [n for n in names if n not in choices]:
+            raise argparse.ArgumentTypeError(f"{','.join(unknown)} not among {','.join(choices)}")
+        return names
+
+    parse.__name__ = "names"
+    return parse
+
+
+def _positive_list(text: str) -> list[int]:
+    parts = [n for n in text.replace(" ", ",").split(",") if n]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"{text!r} holds no lengths")
+    return [positive(n) for n in parts]
+
+
+def _device(text: str) -> torch.device:
+    """A device this machine has: ``cpu``, ``cuda[:i]``, ``mps``."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; expected cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: MPS is not available on this machine")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise argparse.ArgumentTypeError(f"{text!r}: benchmarks run on cpu, cuda or mps")
+    return device
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m attnlib.bench",
-        description="Benchmarks of chapter 15; each prints a table measured in one run.",
+        description="Benchmarks of chapter 15; each prints a table measured in one run and writes it to --out.",
     )
-    sub = p.add_subparsers(dest="benchmark", required=True)
+    sub = p.add_subparsers(dest="benchmark", required=True, metavar="{" + ",".join(BENCHMARKS) + "}")
 
-    def common(q: argparse.ArgumentParser, repeats: int) -> None:
-        q.add_argument("--device", default=None, help="cpu, cuda, mps (default: attnlib.device())")
-        q.add_argument("--repeats", type=int, default=repeats, help="timed runs; the median is reported")
-        q.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-        q.add_argument("--small", action="store_true", help="small sizes, for a quick run")
-        q.add_argument("--json", metavar="FILE", default=None, help="also write settings, environment and rows here")
+    def common(q: argparse.ArgumentParser, name: str, repeats: int, warmup: int) -> None:
+        q.add_argument("--device", type=_device, default=None, help="cpu, cuda, cuda:N, mps (default: attnlib.device())")
+        q.add_argument("--repeats", type=positive, default=None,
+                       help=f"timed runs, the median reported (default {repeats}; 1 with --small)")
+        q.add_argument("--warmup", type=non_negative, default=warmup, help=f"untimed runs first (default {warmup})")
+        q.add_argument("--threads", type=positive, default=None, help="torch.set_num_threads (default: torch's choice)")
+        q.add_argument("--small", action="store_true", help="a tiny configuration that runs in seconds")
+        q.add_argument("--out", "--json", dest="out", metavar="FILE", default=f"bench_{name.replace('-', '_')}.json",
+                       help="where to write settings, environment and rows as JSON "
+                            f"(default: bench_{name.replace('-', '_')}.json in the current directory)")
+        q.set_defaults(default_repeats=repeats)
 
     mha = sub.add_parser("mha", help="implementations of causal multi-head attention, timed side by side")
-    mha.add_argument("--batch", type=int, default=None, help=f"default {MHA_DEFAULTS['batch']}")
-    mha.add_argument("--seq-len", type=int, default=None, help=f"default {MHA_DEFAULTS['seq_len']}")
-    mha.add_argument("--d-model", type=int, default=None, help=f"default {MHA_DEFAULTS['d_model']}")
-    mha.add_argument("--n-heads", type=int, default=None, help=f"default {MHA_DEFAULTS['n_heads']}")
+    for flag, key in (("--batch", "batch"), ("--seq-len", "seq_len"), ("--d-model", "d_model"), ("--n-heads", "n_heads")):
+        mha.add_argument(flag, type=positive, default=None, help=f"default {MHA_DEFAULTS[key]} ({MHA_SMALL[key]} with --small)")
     mha.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     mha.add_argument("--backward", action=argparse.BooleanOptionalAction, default=True,
                      help="also time forward + backward (default: yes)")
-    mha.add_argument("--warmup", type=int, default=1)
-    mha.add_argument("--block-size", type=int, default=128, help="tile size of tiled_attention")
-    common(mha, repeats=5)
+    mha.add_argument("--tile-size", type=positive, default=128, help="tile size of tiled_attention (default 128)")
+    mha.add_argument("--rows", type=_names(ROW_IDS), default=None,
+                     help=f"comma-separated row ids to time (default all; the references always): {','.join(ROW_IDS)}")
+    common(mha, "mha", repeats=5, warmup=1)
 
     kv = sub.add_parser("kv-cache", help="generation tokens/s with and without the KV cache, cache bytes per token")
-    kv.add_argument("--tokens", type=int, default=None, help="new tokens (default 200; 100 with --small)")
-    kv.add_argument("--variants", type=_names, default=list(VARIANTS), help="comma-separated (default mha,gqa,mqa,mla)")
-    kv.add_argument("--prompt-len", type=int, default=8)
-    kv.add_argument("--batch", type=int, default=1)
-    common(kv, repeats=3)
+    kv.add_argument("--tokens", type=positive, default=None, help="new tokens (default 200; 8 with --small)")
+    kv.add_argument("--variants", type=_names(VARIANTS), default=list(VARIANTS), help="comma-separated (default mha,gqa,mqa,mla)")
+    kv.add_argument("--prompt-len", type=positive, default=8)
+    kv.add_argument("--batch", type=positive, default=1)
+    common(kv, "kv-cache", repeats=3, warmup=4)
 
     mem = sub.add_parser("memory", help="peak memory and time of naive, SDPA and tiled attention as T grows")
-    mem.add_argument("--seq-lens", type=_ints, default=None, help="comma-separated (default 256,512,1024,2048,4096)")
-    mem.add_argument("--methods", type=_names, default=list(METHODS), help="comma-separated (default naive,sdpa,tiled)")
-    mem.add_argument("--batch", type=int, default=1)
-    mem.add_argument("--n-heads", type=int, default=None, help="default 12")
-    mem.add_argument("--head-dim", type=int, default=64)
+    mem.add_argument("--seq-lens", type=_positive_list, default=None,
+                     help=f"comma-separated (default {','.join(map(str, MEMORY_SEQ_LENS))})")
+    mem.add_argument("--methods", type=_names(METHODS), default=list(METHODS), help="comma-separated (default naive,sdpa,tiled)")
+    mem.add_argument("--batch", type=positive, default=1)
+    mem.add_argument("--n-heads", type=positive, default=None, help="default 12")
+    mem.add_argument("--head-dim", type=positive, default=None, help="default 64")
     mem.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     mem.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    mem.add_argument("--block-size", type=int, default=128)
+    mem.add_argument("--tile-size", type=positive, default=128)
     mem.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
                      help="CPU: measure each method in a fresh process (default: yes)")
-    common(mem, repeats=3)
+    common(mem, "memory", repeats=3, warmup=1)
+
+    tr = sub.add_parser("train", help="one AdamW step of attnlib's GPT against a TransformerEncoderLayer GPT")
+    tr.add_argument("--sizes", type=_names(tuple(TRAIN_SIZES)), default=list(TRAIN_SIZES),
+                    help=f"comma-separated (default {','.join(TRAIN_SIZES)}; --small: a tiny model)")
+    tr.add_argument("--batch", type=positive, default=None, help="sequences per step (default: each size's own)")
+    tr.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    common(tr, "train", repeats=5, warmup=2)
     return p
 
 
-def _pick(value, small: bool, small_value, default):
-    if value is not None:
-        return value
-    return small_value if small else default
+def _check_out(parser: argparse.ArgumentParser, out: str) -> Path:
+    """``--out`` must be a file path whose directory exists and is writable, or can be created."""
+    path = Path(out)
+    if not out or path.is_dir():
+        parser.error(f"argument --out: {out!r} is a directory, not a file path")
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        parser.error(f"argument --out: cannot write {out!r}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        parser.error(f"argument --out: cannot write {out!r}: the directory {parent} is not writable")
+    return path
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Checks that span several flags; fills in the ``--small`` defaults."""
+    args.out = _check_out(parser, args.out)
+    if args.repeats is None:
+        args.repeats = 1 if args.small else args.default_repeats
+    if args.benchmark == "mha":
+        for key in MHA_DEFAULTS:
+            if getattr(args, key) is None:
+                setattr(args, key, (MHA_SMALL if args.small else MHA_DEFAULTS)[key])
+        if args.d_model % args.n_heads:
+            parser.error(f"argument --d-model: {args.d_model} is not divisible by --n-heads {args.n_heads}")
+    elif args.benchmark == "kv-cache":
+        args.config = TINY if args.small else GPT2_SMALL
+        args.tokens = args.tokens or (8 if args.small else 200)
+        if args.prompt_len > args.config.block_size:
+            parser.error(f"argument --prompt-len: {args.prompt_len} exceeds the model's block_size {args.config.block_size}")
+    elif args.benchmark == "memory":
+        args.seq_lens = args.seq_lens or (MEMORY_SMALL["seq_lens"] if args.small else MEMORY_SEQ_LENS)
+        args.n_heads = args.n_heads or (MEMORY_SMALL["n_heads"] if args.small else 12)
+        args.head_dim = args.head_dim or (MEMORY_SMALL["head_dim"] if args.small else 64)
+        if args.device is not None and args.device.type not in ("cpu", "cuda"):
+            parser.error(f"argument --device: peak memory is measured on cpu or cuda; got {str(args.device)!r}")
+    else:
+        sizes = TRAIN_SMALL if args.small else {name: TRAIN_SIZES[name] for name in args.sizes}
+        args.train_sizes = {name: (config, args.batch or batch) for name, (config, batch) in sizes.items()}
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run one benchmark, print its table, optionally write ``--json``; return what was written."""
-    args = _parser().parse_args(argv)
+    """Check the flags, run one benchmark, print its table, write ``--out``; return what was written.
+
+    Raises:
+        SystemExit: status 2 with an ``error:`` line for a bad flag (before anything runs).
+    """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check(parser, args)
     with using_threads(args.threads):
-        return _run(args, argv)
+        return _run(args, sys.argv[1:] if argv is None else argv)
 
 
-def _run(args: argparse.Namespace, argv: list[str] | None) -> dict:
+def _run(args: argparse.Namespace, argv: list[str]) -> dict:
     device = resolve_device(args.device)
     env = environment(device)
+    print(f"attnlib.bench {args.benchmark} | {format_environment(env)}", flush=True)
+    common = dict(repeats=args.repeats, warmup=args.warmup, small=args.small)
     if args.benchmark == "mha":
-        sizes = {key: _pick(getattr(args, key), args.small, MHA_SMALL[key], MHA_DEFAULTS[key]) for key in MHA_DEFAULTS}
-        settings = dict(**sizes, dtype=args.dtype, backward=args.backward, repeats=args.repeats, warmup=args.warmup,
-                        block_size=args.block_size)
-        print(f"attnlib.bench mha | {format_environment(env)}", flush=True)
-        rows = mha_rows(**sizes, device=device, dtype=DTYPES[args.dtype], backward=args.backward,
-                        repeats=args.repeats, warmup=args.warmup, block_size=args.block_size)
+        sizes = {key: getattr(args, key) for key in MHA_DEFAULTS}
+        settings = dict(**sizes, dtype=args.dtype, backward=args.backward, tile_size=args.tile_size, **common)
+        rows = mha_rows(**sizes, device=device, dtype=DTYPES[args.dtype], backward=args.backward, repeats=args.repeats,
+                        warmup=args.warmup, tile_size=args.tile_size, rows=args.rows)
         text, summary = format_mha(rows, settings), mha_summary(rows)
     elif args.benchmark == "kv-cache":
-        config = SMALL if args.small else GPT2_SMALL
-        tokens = _pick(args.tokens, args.small, 100, 200)
-        settings = dict(config=dataclasses.asdict(config), tokens=tokens, variants=args.variants,
-                        prompt_len=args.prompt_len, batch=args.batch, repeats=args.repeats)
-        print(f"attnlib.bench kv-cache | {format_environment(env)}", flush=True)
-        rows = kv_cache_rows(args.variants, tokens=tokens, prompt_len=args.prompt_len, config=config,
-                             batch=args.batch, device=device, repeats=args.repeats)
+        settings = dict(config=dataclasses.asdict(args.config), tokens=args.tokens, variants=args.variants,
+                        prompt_len=args.prompt_len, batch=args.batch, **common)
+        rows = kv_cache_rows(args.variants, tokens=args.tokens, prompt_len=args.prompt_len, config=args.config,
+                             batch=args.batch, device=device, repeats=args.repeats, warmup_tokens=args.warmup)
         text = format_kv_cache(rows, settings)
         summary = {"min_speedup": min(r["speedup"] for r in rows),
                    "min_speedup_vs_plain": min(r["speedup_vs_plain"] for r in rows),
                    "all_same_tokens": all(r["same_tokens"] for r in rows)}
-    else:
-        seq_lens = _pick(args.seq_lens, args.small, MEMORY_SMALL["seq_lens"], [256, 512, 1024, 2048, 4096])
-        n_heads = _pick(args.n_heads, args.small, MEMORY_SMALL["n_heads"], 12)
-        settings = dict(seq_lens=seq_lens, methods=args.methods, batch=args.batch, n_heads=n_heads,
-                        head_dim=args.head_dim, dtype=args.dtype, causal=args.causal, block_size=args.block_size,
-                        repeats=args.repeats, isolate=args.isolate)
-        print(f"attnlib.bench memory | {format_environment(env)}", flush=True)
-        rows = memory_rows(seq_lens, args.methods, batch=args.batch, n_heads=n_heads, head_dim=args.head_dim,
+    elif args.benchmark == "memory":
+        settings = dict(seq_lens=args.seq_lens, methods=args.methods, batch=args.batch, n_heads=args.n_heads,
+                        head_dim=args.head_dim, dtype=args.dtype, causal=args.causal, tile_size=args.tile_size,
+                        isolate=args.isolate, **common)
+        rows = memory_rows(args.seq_lens, args.methods, batch=args.batch, n_heads=args.n_heads, head_dim=args.head_dim,
                            causal=args.causal, device=device, dtype=DTYPES[args.dtype], repeats=args.repeats,
-                           block_size=args.block_size, isolate=args.isolate)
+                           tile_size=args.tile_size, isolate=args.isolate)
         text, summary = format_memory(rows, settings), {}
+    else:
+        settings = dict(sizes={name: dict(config=dataclasses.asdict(c), batch=b) for name, (c, b) in args.train_sizes.items()},
+                        dtype=args.dtype, **common)
+        rows = train_rows(args.train_sizes, device=device, dtype=DTYPES[args.dtype], repeats=args.repeats,
+                          warmup=args.warmup)
+        text = format_train(rows, settings)
+        summary = {"ratios": {row["size"]: row["ratio"] for row in rows}, "max_ratio": max(r["ratio"] for r in rows)}
     print(text)
-    payload = dict(benchmark=args.benchmark, command=shlex.join(["python", "-m", "attnlib.bench", *(argv or sys.argv[1:])]),
+    env["load_average_end"] = load_average()
+    payload = dict(benchmark=args.benchmark, command=shlex.join(["python", "-m", "attnlib.bench", *argv]),
                    settings=settings, environment=env, rows=rows, summary=summary)
-    if args.json:
-        print(f"\nwrote {write_json(args.json, payload)}")
+    print(f"\nwrote {write_json(args.out, payload)}")
     return payload
 
 

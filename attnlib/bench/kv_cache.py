@@ -9,11 +9,11 @@ of the last position only); and the plain loop most tutorials write
 (:func:`generate_plain`: a whole forward pass every step, logits for every position, the
 last one kept), the baseline behind *LLMs from Scratch*'s 5.3x. The cache bytes per token
 are measured on the :class:`attnlib.cache.KVCache` tensors after the prompt, beside
-the formula ``kv_cache_size(config) · n_layers · bytes per number``.
+what the layers state (:meth:`attnlib.GPT.kv_cache_bytes_per_token`: each layer's own
+``cache_width`` times the bytes of a number).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -25,16 +25,41 @@ from attnlib.cache import KVCache
 from attnlib.config import GPTConfig
 from attnlib.model import GPT
 
-__all__ = ["GPT2_SMALL", "SMALL", "VARIANTS", "format_kv_cache", "generate_plain", "kv_cache_rows"]
+__all__ = ["GPT2_SMALL", "SMALL", "TINY", "VARIANTS", "format_kv_cache", "generate_plain", "kv_cache_rows", "variant_config"]
 
-#: GPT-2 small's shape. GQA keeps 4 key/value heads (groups of 3 query heads); MLA's latent is
-#: attnlib's default d_model // 4 = 192 numbers (DeepSeek-V2 uses 4 · head_dim, which would be 256).
-GPT2_SMALL = GPTConfig(
-    vocab_size=50257, block_size=1024, n_layers=12, n_heads=12, d_model=768, n_kv_heads=4, kv_latent_dim=192
-)
+#: GPT-2 small's shape. GQA keeps 4 key/value heads (groups of 3 query heads) (:data:`VARIANT_SETTINGS`);
+#: MLA's latent is attnlib's default d_model // 4 = 192 numbers (DeepSeek-V2 uses 4 · head_dim, which would be 256).
+GPT2_SMALL = GPTConfig(vocab_size=50257, block_size=1024, n_layers=12, n_heads=12, d_model=768)
 #: A small model for quick runs (``--small``): big enough that the cache already pays off.
-SMALL = GPTConfig(vocab_size=1024, block_size=256, n_layers=4, n_heads=8, d_model=256, n_kv_heads=2, kv_latent_dim=64)
+SMALL = GPTConfig(vocab_size=1024, block_size=256, n_layers=4, n_heads=8, d_model=256)
+#: ``--small`` on the command line: a tiny model for tests and the install check (milliseconds a token).
+TINY = GPTConfig(vocab_size=64, block_size=32, n_layers=2, n_heads=6, d_model=48)
 VARIANTS = ("mha", "gqa", "mqa", "mla")
+#: What each variant sets on the base config: GQA's key/value heads are ``n_heads // 3`` (4 of GPT-2's 12).
+
+def variant_config(config: GPTConfig, variant: str) -> GPTConfig:
+    """``config`` with ``attention=variant``.
+
+    ``"gqa"`` keeps ``config.n_kv_heads`` when it is given and below ``n_heads``, else takes
+    ``n_heads // 3`` key/value heads (4 of GPT-2's 12), rounded down to a divisor of ``n_heads``;
+    ``"mla"`` keeps ``config.kv_latent_dim`` when given (default ``d_model // 4``).
+
+    Raises:
+        ValueError: an unknown variant.
+    """
+    if variant not in ATTENTION_REGISTRY:
+        raise ValueError(f"unknown variant {variant!r}; choose from {sorted(ATTENTION_REGISTRY)}")
+    base = config.replace(attention="mha", n_kv_heads=None, kv_latent_dim=None)
+    if variant == "gqa":
+        kv = config.n_kv_heads if config.n_kv_heads is not None and config.n_kv_heads < config.n_heads else None
+        if kv is None:
+            kv = max(1, config.n_heads // 3)
+            while config.n_heads % kv:
+                kv -= 1
+        return base.replace(attention="gqa", n_kv_heads=kv)
+    if variant == "mla":
+        return base.replace(attention="mla", kv_latent_dim=config.kv_latent_dim)
+    return base.replace(attention=variant)
 
 
 @torch.no_grad()
@@ -52,13 +77,9 @@ def generate_plain(model: GPT, idx: torch.Tensor, max_new_tokens: int) -> torch.
 
 
 def _describe(config: GPTConfig) -> str:
-    if config.attention == "gqa":
-        return f"{config.n_kv_heads} kv heads"
-    if config.attention == "mqa":
-        return "1 kv head"
     if config.attention == "mla":
-        return f"latent d_c={config.kv_latent_dim}"
-    return f"{config.n_heads} kv heads"
+        return f"latent d_c={config.latent_dim}"
+    return f"{config.kv_heads} kv head" + ("s" if config.kv_heads > 1 else "")
 
 
 def kv_cache_rows(
@@ -79,7 +100,7 @@ def kv_cache_rows(
         variants: names in :data:`attnlib.attention.ATTENTION_REGISTRY`.
         tokens: new tokens per generation (greedy, ``temperature=0``).
         prompt_len: length of the random prompt.
-        config: the model's shape (default :data:`GPT2_SMALL`); ``attention`` is set per variant.
+        config: the model's shape (default :data:`GPT2_SMALL`); each variant's is :func:`variant_config`.
         batch: sequences generated at once.
         device: where to run (``None``: :func:`attnlib.device`).
         repeats: timed generations per setting (the median is reported).
@@ -87,10 +108,13 @@ def kv_cache_rows(
         seed: for the weights and the prompt.
         threads: ``torch.set_num_threads`` for the run (``None``: as it is).
 
+    Raises:
+        ValueError: an unknown variant (before anything runs).
+
     Returns:
         Dicts with ``variant, kv_heads`` (a description), ``parameters``,
-        ``numbers_per_token_layer`` (``kv_cache_size``), ``bytes_per_token`` (measured on the
-        cache tensors), ``bytes_per_token_formula``, ``cached_tokens_per_s``,
+        ``numbers_per_token_layer`` (the first layer's ``cache_width``), ``bytes_per_token``
+        (measured on the cache tensors), ``bytes_per_token_formula`` (what the layers state), ``cached_tokens_per_s``,
         ``uncached_tokens_per_s`` (no cache, last position's logits), ``plain_tokens_per_s``
         (:func:`generate_plain`), ``speedup`` (cached / uncached), ``speedup_vs_plain``
         (cached / plain) and ``same_tokens`` (whether all three generations agree).
@@ -102,11 +126,9 @@ def kv_cache_rows(
 def _kv_cache_rows(variants, tokens, prompt_len, config, batch, device, repeats, warmup_tokens, seed):
     device = resolve_device(device)
     config = GPT2_SMALL if config is None else config
+    configs = {variant: variant_config(config, variant) for variant in variants}  # unknown names fail first
     rows = []
-    for variant in variants:
-        if variant not in ATTENTION_REGISTRY:
-            raise ValueError(f"unknown variant {variant!r}; choose from {sorted(ATTENTION_REGISTRY)}")
-        cfg = dataclasses.replace(config, attention=variant)
+    for variant, cfg in configs.items():
         torch.manual_seed(seed)
         model = GPT(cfg).to(device).eval()
         g = torch.Generator().manual_seed(seed)
@@ -115,8 +137,7 @@ def _kv_cache_rows(variants, tokens, prompt_len, config, batch, device, repeats,
         cache = KVCache.for_model(model)
         with torch.no_grad():
             model(prompt, cache=cache)  # prefill: the cache now holds the prompt
-        element_size = next(model.parameters()).element_size()
-        formula = ATTENTION_REGISTRY[variant].kv_cache_size(cfg) * cfg.n_layers * element_size
+        formula = model.kv_cache_bytes_per_token()
 
         def generate(how: str, n: int = tokens, model=model, prompt=prompt):
             if how == "plain":
@@ -139,7 +160,7 @@ def _kv_cache_rows(variants, tokens, prompt_len, config, batch, device, repeats,
                 variant=variant,
                 kv_heads=_describe(cfg),
                 parameters=model.num_parameters(),
-                numbers_per_token_layer=ATTENTION_REGISTRY[variant].kv_cache_size(cfg),
+                numbers_per_token_layer=model.blocks[0].attn.cache_width,
                 bytes_per_token=cache.bytes_per_token() // batch,
                 bytes_per_token_formula=formula,
                 cached_tokens_per_s=batch * tokens / seconds["cached"],
@@ -180,7 +201,7 @@ def format_kv_cache(rows: list[dict], settings: dict | None = None) -> str:
         )
     parts.append(
         "cache B/token: measured on the KVCache tensors after the prompt (all layers, one sequence); "
-        "formula: kv_cache_size(config) x n_layers x bytes per number.\n"
+        "formula: GPT.kv_cache_bytes_per_token() (each layer's cache_width x bytes per number).\n"
         "uncached: no cache, the window re-encoded each step, logits of the last position only; "
         "plain: no cache, a full forward pass each step with logits for every position (the usual simple loop)."
     )

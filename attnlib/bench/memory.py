@@ -31,15 +31,14 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from attnlib.attention.tiled import tiled_attention
+from attnlib.attention import tiled_attention
 from attnlib.bench._common import format_table, resolve_device, time_calls
 from attnlib.bench._common import threads as using_threads
-from attnlib.functional import attention, causal_mask
+from attnlib.functional import attention
 
 __all__ = ["METHODS", "format_memory", "memory_rows"]
 
@@ -47,13 +46,13 @@ METHODS = ("naive", "sdpa", "tiled")
 MiB = 2**20
 
 
-def _attention_fn(method: str, block_size: int, causal: bool):
+def _attention_fn(method: str, tile_size: int, causal: bool):
     if method == "naive":
-        return lambda q, k, v: attention(q, k, v, mask=causal_mask(q.shape[-2], device=q.device) if causal else None)[0]
+        return lambda q, k, v: attention(q, k, v, is_causal=causal)[0]
     if method == "sdpa":
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     if method == "tiled":
-        return lambda q, k, v: tiled_attention(q, k, v, causal=causal, block_size_q=block_size, block_size_k=block_size)
+        return lambda q, k, v: tiled_attention(q, k, v, is_causal=causal, tile_size=tile_size)[0]
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
@@ -96,7 +95,7 @@ def _measure_cases(spec: dict, in_fresh_process: bool) -> tuple[list[dict], bool
     """Measure as many of ``spec["seq_lens"]`` as can be measured honestly here; return the rows and
     whether every case was measured."""
     device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
-    fn = _attention_fn(spec["method"], spec["block_size"], spec["causal"])
+    fn = _attention_fn(spec["method"], spec["tile_size"], spec["causal"])
     rows = []
     with torch.no_grad():
         fn(*_make_inputs(spec, 16, device, dtype))  # load the code paths and thread pools before measuring
@@ -151,8 +150,9 @@ def _child_main() -> None:
 
 def _run_in_fresh_process(spec: dict) -> list[dict]:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    package_root = str(Path(__file__).resolve().parents[2])  # so the child imports this attnlib
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    # The child searches the parent's import path, so it imports the attnlib this process runs (a wheel
+    # in site-packages, an editable install or a checkout on PYTHONPATH alike), whatever its working directory.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     done = subprocess.run(
         [sys.executable, "-c", "from attnlib.bench.memory import _child_main; _child_main()"],
         input=json.dumps(spec), capture_output=True, text=True, env=env, check=False,
@@ -172,7 +172,7 @@ def memory_rows(
     device: str | torch.device | None = None,
     dtype: torch.dtype = torch.float32,
     repeats: int = 3,
-    block_size: int = 128,
+    tile_size: int = 128,
     isolate: bool = True,
     threads: int | None = None,
 ) -> list[dict]:
@@ -186,7 +186,7 @@ def memory_rows(
         device: where to run (``None``: :func:`attnlib.device`).
         dtype: of ``q, k, v``.
         repeats: timed calls per case (the median is reported), after one warm-up call.
-        block_size: tile size of the tiled attention.
+        tile_size: tile size of the tiled attention.
         isolate: on the CPU, measure each method in a fresh Python process (clean heap, as
             described in the module docstring); ``False`` measures in this process (faster,
             but memory freed earlier and kept by the allocator can hide part of a peak).
@@ -202,21 +202,21 @@ def memory_rows(
         ValueError: an unknown method, or a device other than CPU and CUDA.
     """
     with using_threads(threads):
-        return _memory_rows(seq_lens, methods, batch, n_heads, head_dim, causal, device, dtype, repeats, block_size,
+        return _memory_rows(seq_lens, methods, batch, n_heads, head_dim, causal, device, dtype, repeats, tile_size,
                             isolate)
 
 
-def _memory_rows(seq_lens, methods, batch, n_heads, head_dim, causal, device, dtype, repeats, block_size, isolate):
+def _memory_rows(seq_lens, methods, batch, n_heads, head_dim, causal, device, dtype, repeats, tile_size, isolate):
     device = resolve_device(device)
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"peak memory is measured on cpu or cuda; got device {device}")
     for method in methods:
-        _attention_fn(method, block_size, causal)  # unknown names fail before any work
+        _attention_fn(method, tile_size, causal)  # unknown names fail before any work
     rows = []
     for method in methods:
         spec = dict(
             method=method, seq_lens=sorted(seq_lens), batch=batch, n_heads=n_heads, head_dim=head_dim, causal=causal,
-            device=str(device), dtype=str(dtype).removeprefix("torch."), repeats=repeats, block_size=block_size,
+            device=str(device), dtype=str(dtype).removeprefix("torch."), repeats=repeats, tile_size=tile_size,
             threads=torch.get_num_threads(),
         )
         if device.type == "cuda" or not isolate:
@@ -249,7 +249,7 @@ def format_memory(rows: list[dict], settings: dict | None = None) -> str:
         s = settings
         parts.append(
             f"B={s['batch']}, n_heads={s['n_heads']}, head_dim={s['head_dim']}, causal={s['causal']}, {s['dtype']}, "
-            f"tiles of {s['block_size']}; time: median of {s['repeats']} calls after a warm-up, under torch.no_grad."
+            f"tiles of {s['tile_size']}; time: median of {s['repeats']} calls after a warm-up, under torch.no_grad."
         )
     methods = sorted({row["memory_method"] for row in rows})
     parts.append("peak extra = peak memory during one call minus memory held before it (output included); "
