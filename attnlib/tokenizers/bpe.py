@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterable
 
 from attnlib._checks import token_id_list
+from attnlib.tokenizers._pairs import PairSequence
 
 __all__ = ["BPETokenizer", "bytes_to_unicode"]
 
@@ -61,68 +62,6 @@ def bytes_to_unicode() -> dict[int, str]:
 
 def _check_ids(ids: object, vocab: dict[int, bytes]) -> list[int]:
     return token_id_list("ids", ids, vocab)  # ids kept from Hugging Face need not be 0..n-1
-
-
-class _Sequence:
-    """A doubly linked list of token ids with exact counts of adjacent pairs and where they occur."""
-
-    def __init__(self, pieces: list[list[int]]) -> None:
-        # several pieces share one list; no pair crosses from one piece to the next
-        self.tok: list[int] = []
-        self.prev: list[int] = []
-        self.next: list[int] = []
-        self.counts: dict[tuple[int, int], int] = {}
-        self.where: dict[tuple[int, int], set[int]] = {}
-        for ids in pieces:
-            start, n = len(self.tok), len(ids)
-            self.tok.extend(ids)
-            self.prev.extend(range(start - 1, start + n - 1))
-            self.next.extend(range(start + 1, start + n + 1))
-            if n:
-                self.prev[start] = -1
-                self.next[-1] = -1
-            for i in range(n - 1):
-                self._add((ids[i], ids[i + 1]), start + i)
-        self.length = len(self.tok)
-
-    def _add(self, pair: tuple[int, int], pos: int) -> None:
-        self.counts[pair] = self.counts.get(pair, 0) + 1
-        self.where.setdefault(pair, set()).add(pos)
-
-    def _remove(self, pair: tuple[int, int], pos: int) -> None:
-        # positions in `where` are cleaned lazily: merge() re-checks each one
-        self.counts[pair] -= 1
-
-    def merge(self, pair: tuple[int, int], new_id: int) -> list[tuple[int, int]]:
-        """Replace the occurrences of ``pair`` left to right; return the pairs whose count grew."""
-        a, b = pair
-        grown = []
-        tok, prev, nxt = self.tok, self.prev, self.next
-        for p in sorted(self.where.pop(pair, ())):
-            q = nxt[p]
-            # an earlier merge in this loop may have consumed p or q (overlaps such as "aaa")
-            if tok[p] != a or q == -1 or tok[q] != b:
-                continue
-            left, right = prev[p], nxt[q]
-            self._remove(pair, p)
-            if left != -1:
-                self._remove((tok[left], a), left)
-            if right != -1:
-                self._remove((b, tok[right]), q)
-            tok[p], tok[q] = new_id, -1  # q is dead
-            nxt[p] = right
-            if right != -1:
-                prev[right] = p
-            self.length -= 1
-            if left != -1:
-                self._add((tok[left], new_id), left)
-                grown.append((tok[left], new_id))
-            if right != -1:
-                self._add((new_id, tok[right]), p)
-                grown.append((new_id, tok[right]))
-        self.counts.pop(pair, None)
-        return grown
-
 
 
 class BPETokenizer:
@@ -199,7 +138,7 @@ class BPETokenizer:
             raise ValueError(f"vocab_size={vocab_size} is smaller than the 256 byte tokens")
         self.vocab = {i: bytes([i]) for i in range(256)}
         self.merges = []
-        seq = _Sequence([list(t.encode("utf-8")) for t in pieces])
+        seq = PairSequence([list(t.encode("utf-8")) for t in pieces])
         n_bytes = seq.length
         # max-heap on count, then min on the pair: entries (-count, pair); stale ones are re-checked
         heap = [(-c, pair) for pair, c in seq.counts.items()]
