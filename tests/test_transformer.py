@@ -116,6 +116,11 @@ def test_layers_and_feedforward():
     torch.testing.assert_close(ff(x), ff.proj(nn.functional.gelu(ff.fc(x), approximate="tanh")))
     with pytest.raises(ValueError, match="approximate"):
         FeedForward(8, 16, gelu_approximate="fast")
+    with pytest.raises(ValueError, match="d_ff=0 must be a positive integer"):
+        FeedForward(8, 0)
+    with pytest.raises(TypeError, match="bias must be a bool; got 'yes'"):
+        FeedForward(8, bias="yes")
+    assert FeedForward(8).fc.out_features == 32  # d_ff defaults to 4 * d_model
     assert EncoderLayer(8, 2, 16)(x).shape == (2, 3, 8)
     assert DecoderLayer(8, 2, 16)(x, torch.randn(2, 5, 8)).shape == (2, 3, 8)
 
@@ -134,3 +139,15 @@ def test_errors():
         model.beam_decode(torch.randint(3, 20, (2, 5)))
     with pytest.raises(TypeError):
         model(torch.randn(1, 5), torch.randint(3, 17, (1, 3)))
+
+
+def test_gpt_and_transformer_share_one_feed_forward_block():
+    from attnlib import GPT, GPTConfig
+
+    gpt = GPT(GPTConfig(vocab_size=11, block_size=8, n_layers=1, n_heads=2, d_model=16, gelu_approximate="tanh"))
+    mlp = gpt.blocks[0].mlp
+    assert isinstance(mlp, FeedForward) and isinstance(make_model().encoder[0].ff, FeedForward)
+    assert {n for n, _ in mlp.named_parameters()} == {"fc.weight", "fc.bias", "proj.weight", "proj.bias"}
+    x = torch.randn(2, 3, 16)
+    hidden = nn.functional.gelu(x @ mlp.fc.weight.T + mlp.fc.bias, approximate="tanh")
+    torch.testing.assert_close(mlp(x), hidden @ mlp.proj.weight.T + mlp.proj.bias)
