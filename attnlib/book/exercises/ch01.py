@@ -170,7 +170,7 @@ def check_attend_to_earlier(attend_to_earlier) -> None:
             f"{where}: each row of weights should sum to 1 (the first row, which has nothing to attend to, to 0); "
             f"got row sums {[round(v, 3) for v in sums[0].tolist()]}",
         )
-        expected_y, expected_weights = attention(x, x, x, mask=_strict_mask(T))  # scale 1/sqrt(d_model)
+        expected_y, expected_weights = attention(x, x, x, mask=_strict_mask(T)[None])  # mask (1, T, T); 1/sqrt(d_model)
         if T > 1:
             unscaled = _masked_softmax(x @ x.transpose(-2, -1), _strict_mask(T))  # (B, T, d) @ (B, d, T) -> (B, T, T)
             expect(
