@@ -106,8 +106,11 @@ def sample_next_token(
     check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    # Shift before dividing: a tiny temperature then sends the others to -inf, never inf - inf = nan.
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    scaled = logits / temperature
+    # A tiny temperature overflows finite logits to inf (softmax: inf - inf = nan). Such rows are shifted by
+    # their maximum first, which sends the others to -inf instead; other rows keep the plain division.
+    overflow = (torch.isinf(scaled) & torch.isfinite(logits)).any(dim=-1, keepdim=True)
+    logits = torch.where(overflow, (logits - logits.amax(dim=-1, keepdim=True)) / temperature, scaled)
     if top_k is not None:
         logits = top_k_filter(logits, top_k)
     if top_p is not None:
