@@ -11,10 +11,9 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from attnlib._checks import eval_mode, token_ids
+from attnlib._checks import cross_entropy_loss, eval_mode, token_ids
 from attnlib.attention.registry import build_attention
 from attnlib.cache import KVCache, LayerCache
 from attnlib.config import GPTConfig
@@ -149,10 +148,16 @@ class GPT(nn.Module):
             TypeError: ``idx`` / ``targets`` not an integer tensor.
             ValueError: wrong shape, ``T > block_size`` (cached tokens included), or an id outside the vocabulary.
         """
-        self.check_idx(idx)
+        idx = self.check_idx(idx)
         B, T = idx.shape
         if T == 0:
             raise ValueError(f"idx must hold at least one token per row; got shape {tuple(idx.shape)}")
+        if targets is not None:  # checked before any compute, like everything else
+            if last_only:
+                raise ValueError("last_only=True computes no loss: it cannot take targets")
+            targets = token_ids("targets", targets, self.config.vocab_size, ignore_index=-100)
+            if targets.shape != idx.shape:
+                raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}; got {tuple(targets.shape)}")
         if cache is not None:
             self.check_cache(cache)
         start = 0 if cache is None else cache.length
@@ -164,17 +169,10 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache.layers[i])
         if last_only:
-            if targets is not None:
-                raise ValueError("last_only=True computes no loss: it cannot take targets")
             x = x[:, -1:, :]  # (B, T, d_model) -> (B, 1, d_model)
         logits = self.lm_head(self.ln_f(x))  # (B, T, d_model) -> (B, T, vocab_size)
 
-        loss = None
-        if targets is not None:
-            self.check_idx(targets, "targets")
-            if targets.shape != idx.shape:
-                raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}; got {tuple(targets.shape)}")
-            loss = F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(B * T))
+        loss = None if targets is None else cross_entropy_loss(logits, targets)  # -100 = ignored; never NaN
         return logits, loss
 
     def check_cache(self, cache: object) -> None:
@@ -217,7 +215,7 @@ class GPT(nn.Module):
         Raises:
             TypeError / ValueError: as :meth:`forward` for a bad ``idx``.
         """
-        self.check_idx(idx)
+        idx = self.check_idx(idx)
         x = self.embed(idx)
         weights = []
         for block in self.blocks:
