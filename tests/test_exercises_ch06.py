@@ -98,9 +98,12 @@ def gqa_attention_top_left(q, k, v):
 
 
 # ---------------------------------------------------------------- 06.3
+def _kv_heads(config):  # GPTConfig keeps n_kv_heads as given: None when not given
+    return {"mha": config.n_heads, "gqa": config.n_kv_heads or config.n_heads, "mqa": 1}[config.attention]
+
+
 def kv_cache_bytes(config, n_tokens, dtype):
-    n_kv_heads = {"mha": config.n_heads, "gqa": config.n_kv_heads, "mqa": 1}[config.attention]
-    return 2 * n_kv_heads * config.head_dim * dtype.itemsize * config.n_layers * n_tokens
+    return 2 * _kv_heads(config) * config.head_dim * dtype.itemsize * config.n_layers * n_tokens
 
 
 def kv_cache_bytes_no_two(config, n_tokens, dtype):
@@ -111,12 +114,16 @@ def kv_cache_bytes_one_layer(config, n_tokens, dtype):
     return kv_cache_bytes(config, n_tokens, dtype) // config.n_layers
 
 
-def kv_cache_bytes_config_heads(config, n_tokens, dtype):  # trusts config.n_kv_heads for every variant
+def kv_cache_bytes_config_heads(config, n_tokens, dtype):  # trusts config.n_kv_heads, None when not given
     return 2 * config.n_kv_heads * config.head_dim * dtype.itemsize * config.n_layers * n_tokens
 
 
-def kv_cache_bytes_mha_config_heads(config, n_tokens, dtype):  # right for "mqa", but "mha" trusts n_kv_heads
-    n_kv_heads = 1 if config.attention == "mqa" else config.n_kv_heads
+def kv_cache_bytes_or_n_heads(config, n_tokens, dtype):  # n_kv_heads or n_heads for every variant: wrong for "mqa"
+    return 2 * (config.n_kv_heads or config.n_heads) * config.head_dim * dtype.itemsize * config.n_layers * n_tokens
+
+
+def kv_cache_bytes_gqa_no_default(config, n_tokens, dtype):  # a "gqa" config without n_kv_heads holds None
+    n_kv_heads = {"mha": config.n_heads, "gqa": config.n_kv_heads, "mqa": 1}[config.attention]
     return 2 * n_kv_heads * config.head_dim * dtype.itemsize * config.n_layers * n_tokens
 
 
@@ -126,14 +133,19 @@ def kv_cache_bytes_float(config, n_tokens, dtype):
 
 def kv_cache_bytes_bits(config, n_tokens, dtype):
     bits = torch.finfo(dtype).bits
-    n_kv_heads = {"mha": config.n_heads, "gqa": config.n_kv_heads, "mqa": 1}[config.attention]
-    return 2 * n_kv_heads * config.head_dim * bits * config.n_layers * n_tokens
+    return 2 * _kv_heads(config) * config.head_dim * bits * config.n_layers * n_tokens
+
+
+def kv_cache_bytes_library(config, n_tokens, dtype):  # the config's own property: also right
+    return 2 * config.kv_heads * config.head_dim * dtype.itemsize * config.n_layers * n_tokens
 
 
 REFERENCE = [("06.1", repeat_kv), ("06.2", gqa_attention), ("06.3", kv_cache_bytes)]
 
 
-@pytest.mark.parametrize("exercise_id, answer", REFERENCE + [("06.2", gqa_attention_folded)])
+@pytest.mark.parametrize(
+    "exercise_id, answer", REFERENCE + [("06.2", gqa_attention_folded), ("06.3", kv_cache_bytes_library)]
+)
 def test_reference_answer_is_correct(exercise_id, answer):
     verdict = grade(exercise_id, answer)
     assert verdict.status == CORRECT, str(verdict)
@@ -152,8 +164,9 @@ def test_reference_answer_is_correct(exercise_id, answer):
         ("06.2", gqa_attention_top_left, "top-left"),
         ("06.3", kv_cache_bytes_no_two, "a factor 2"),
         ("06.3", kv_cache_bytes_one_layer, "n_layers"),
-        ("06.3", kv_cache_bytes_config_heads, "exactly one kv head"),
-        ("06.3", kv_cache_bytes_mha_config_heads, "ignore config.n_kv_heads"),
+        ("06.3", kv_cache_bytes_config_heads, "n_kv_heads was not given; multi-head attention has one kv head per"),
+        ("06.3", kv_cache_bytes_or_n_heads, "you used n_heads; here the layers have 1: multi-query attention"),
+        ("06.3", kv_cache_bytes_gqa_no_default, 'a "gqa" config without n_kv_heads'),
         ("06.3", kv_cache_bytes_float, "Python int"),
         ("06.3", kv_cache_bytes_bits, "bits"),
     ],
