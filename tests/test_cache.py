@@ -1,11 +1,13 @@
 """KV cache and generation: cached ≡ uncached for every variant, sizes measured from the tensors, beam search."""
+import re
+
 import pytest
 import torch
 
 from attnlib import GPT, GPTConfig
 from attnlib.attention import ATTENTION_REGISTRY
+from attnlib.beam import beam_search
 from attnlib.cache import KVCache, LayerCache
-from attnlib.generate import beam_search
 
 ATOL = 1e-5
 VARIANTS = sorted(ATTENTION_REGISTRY)
@@ -13,7 +15,8 @@ VARIANTS = sorted(ATTENTION_REGISTRY)
 
 def small_model(attention, **overrides):
     torch.manual_seed(0)
-    config = dict(vocab_size=23, block_size=16, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, kv_latent_dim=8)
+    config = dict(vocab_size=23, block_size=16, n_layers=2, n_heads=4, d_model=32)
+    config.update(n_kv_heads=2 if attention == "gqa" else None, kv_latent_dim=8 if attention == "mla" else None)
     return GPT(GPTConfig(**{**config, **overrides}, attention=attention)).eval()
 
 
@@ -70,8 +73,12 @@ def test_cache_holds_exactly_what_the_variant_needs(attention):
     cache = KVCache.for_model(model)
     with torch.no_grad():
         model(torch.randint(0, 23, (3, 7)), cache=cache)
-    per_token = ATTENTION_REGISTRY[attention].kv_cache_size(model.config)
+    # DeepSeek-V2 Table 1, per token and layer: 2·n_h·d_h, 2·n_g·d_h, 2·d_h, d_c
+    per_token = {"mha": 2 * 4 * 8, "talking_heads": 2 * 4 * 8, "gqa": 2 * 2 * 8, "mqa": 2 * 8, "mla": 8}[attention]
+    assert model.blocks[0].attn.cache_width == per_token
     assert cache.bytes_per_token() == per_token * model.config.n_layers * 4  # fp32
+    assert model.kv_cache_bytes_per_token() == cache.bytes_per_token()
+    assert model.kv_cache_bytes_per_token(torch.float16) == per_token * model.config.n_layers * 2
     assert cache.nbytes() == 3 * 16 * per_token * model.config.n_layers * 4  # pre-allocated to block_size
     shapes = {name: tuple(b.shape) for name, b in cache.layers[0].buffers.items()}
     expected = {
@@ -89,19 +96,19 @@ def test_cache_errors():
     cache = KVCache.for_model(model)
     with torch.no_grad():
         model(torch.randint(0, 23, (1, 10)), cache=cache)
-        with pytest.raises(ValueError, match="the cache holds 10 tokens; 7 more exceed block_size=16"):
+        with pytest.raises(ValueError, match=re.escape("the cache holds 10 tokens; 7 more exceed block_size=16")):
             model(torch.randint(0, 23, (1, 7)), cache=cache)
-        with pytest.raises(ValueError, match="cannot append"):
+        with pytest.raises(ValueError, match=re.escape("cached 'k' has shape (1, 4, 16, 8); cannot append (2, 4, 1, 8)")):
             model(torch.randint(0, 23, (2, 1)), cache=cache)  # another batch size
     layer = LayerCache(4)
     layer.update(k=torch.zeros(1, 2, 2))
-    with pytest.raises(ValueError, match="is torch.float32 on cpu; cannot append torch.float64"):
+    with pytest.raises(ValueError, match=re.escape("is torch.float32 on cpu; cannot append torch.float64")):
         layer.update(k=torch.zeros(1, 1, 2, dtype=torch.float64))
     layer.reset()
     assert layer.length == 0 and layer.update(k=torch.ones(1, 1, 2))[0].shape == (1, 1, 2)
-    with pytest.raises(ValueError, match="max_len=4; cannot add 5"):
+    with pytest.raises(ValueError, match=re.escape("max_len=4; cannot add 5")):
         layer.update(k=torch.zeros(1, 5, 2))
-    with pytest.raises(ValueError, match="max_len=0"):
+    with pytest.raises(ValueError, match=re.escape("max_len=0")):
         LayerCache(0)
 
 
@@ -114,7 +121,7 @@ def test_stop_tokens_end_generation_and_pad():
     row0 = out[0, 3:].tolist()
     first = row0.index(stop)
     assert row0[: first + 1] == free[0, 3 : 3 + first + 1].tolist() and set(row0[first:]) == {stop}
-    with pytest.raises(ValueError, match="stop_tokens"):
+    with pytest.raises(ValueError, match="stop_tokens holds token id 99"):
         model.generate(prompt, 2, stop_tokens=[99])
 
 
