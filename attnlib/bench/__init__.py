@@ -6,33 +6,43 @@
   for MHA, GQA, MQA and MLA, and the cache's bytes per token (measured and by formula).
 * ``memory`` (:func:`memory_rows`): peak memory and time of naive, SDPA and tiled attention
   as the sequence grows.
+* ``train`` (:func:`train_rows`): one AdamW step of attnlib's GPT against a GPT built from
+  ``nn.TransformerEncoderLayer``, at the book's small model and at 10M parameters.
 
 Each function returns plain dicts (one per table row) so that a notebook can run a
-small version; ``--json FILE`` writes settings, environment and rows;
-:func:`load_results` reads such a file back. Speed is measured here, never asserted in
-tests. Full-size runs::
+small version. The command line checks every flag first (``error:``, exit 2), prints the
+table and writes settings, environment (load average included) and rows to ``--out FILE``
+(default ``bench_<name>.json`` in the current directory); :func:`load_results` reads such a
+file back. ``--small`` runs a tiny configuration in seconds. Speed is measured here, never
+asserted in tests. Full-size runs::
 
-    python -m attnlib.bench mha --json results/bench_mha.json
-    python -m attnlib.bench kv-cache --json results/bench_kv_cache.json
-    python -m attnlib.bench memory --json results/bench_memory.json
+    python -m attnlib.bench mha --out bench_mha.json
+    python -m attnlib.bench kv-cache --out bench_kv_cache.json
+    python -m attnlib.bench memory --out bench_memory.json
+    python -m attnlib.bench train --out bench_train.json
 """
 from attnlib.bench._common import environment, format_table, load_results, time_calls
 from attnlib.bench.kv_cache import GPT2_SMALL, format_kv_cache, kv_cache_rows
 from attnlib.bench.memory import format_memory, memory_rows
 from attnlib.bench.mha import MHA_DEFAULTS, format_mha, mha_rows, mha_summary
+from attnlib.bench.train import TRAIN_SIZES, TorchGPT, format_train, train_rows
 
 __all__ = [
     "GPT2_SMALL",
     "MHA_DEFAULTS",
+    "TRAIN_SIZES",
+    "TorchGPT",
     "environment",
     "format_kv_cache",
     "format_memory",
     "format_mha",
     "format_table",
+    "format_train",
     "kv_cache_rows",
     "load_results",
     "memory_rows",
     "mha_rows",
     "mha_summary",
     "time_calls",
+    "train_rows",
 ]
