@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from attnlib.book.exercises import CORRECT, WRONG, grade
-from attnlib.functional import causal_mask, padding_mask
+from attnlib.functional import causal_mask
 
 # 03.1 bottom-right causal mask ---------------------------------------------------------------
 
@@ -38,24 +38,33 @@ def test_03_1_top_left_hint():
 
 # 03.2 causal & padding for a batch -----------------------------------------------------------
 
+# Written from torch.arange, independently of attnlib's causal_mask / padding_mask that the check uses.
+def _causal(T):
+    return torch.ones(T, T, dtype=torch.bool).tril()  # (T, T)
+
+
+def _real(lengths, T):
+    return torch.arange(T)[None, :] < lengths[:, None]  # (1, T) < (B, 1) -> (B, T), True = real token
+
+
 def batch_mask(lengths, T):
-    return causal_mask(T) & padding_mask(lengths, T)
+    return _causal(T) & _real(lengths, T)[:, None, :]  # (T, T) & (B, 1, T) -> (B, T, T)
 
 
 def batch_mask_queries_padded(lengths, T):
-    return causal_mask(T) & padding_mask(lengths, T).transpose(1, 2)
+    return _causal(T) & _real(lengths, T)[:, :, None]  # pad rows (queries) instead of pad columns (keys)
 
 
 def batch_mask_not_causal(lengths, T):
-    return padding_mask(lengths, T).expand(len(lengths), T, T)
+    return _real(lengths, T)[:, None, :].expand(len(lengths), T, T)
 
 
 def batch_mask_no_padding(lengths, T):
-    return causal_mask(T).expand(len(lengths), T, T)
+    return _causal(T).expand(len(lengths), T, T)
 
 
 def batch_mask_unbroadcast(lengths, T):
-    return padding_mask(lengths, T)
+    return _real(lengths, T)[:, None, :]  # (B, 1, T), not (B, T, T)
 
 
 def test_03_2_reference_is_correct():

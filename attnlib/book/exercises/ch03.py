@@ -60,8 +60,9 @@ def check_batch_attention_mask(fn) -> None:
         mask = fn(lengths.clone(), T)
         _expect_bool_mask(mask, (len(lengths), T, T), what)
         causal = causal_mask(T)
-        keys_real = padding_mask(lengths, T)  # (B, 1, T)
-        queries_real = keys_real.transpose(1, 2)  # (B, T, 1)
+        real = padding_mask(lengths, T)  # (B, T), True = real token
+        keys_real = real[:, None, :]  # (B, 1, T): broadcast over the queries
+        queries_real = real[:, :, None]  # (B, T, 1)
         expected = causal & keys_real
         if torch.equal(mask, expected):
             continue
