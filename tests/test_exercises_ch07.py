@@ -68,46 +68,70 @@ def fold_output_in_place(v_up_weight, out_proj_weight, n_heads):
 
 
 # ---------------------------------------------------------------- 07.3
-def kv_cache_bytes(config, variant, seq_len, rope_dim, dtype_bytes):
+def kv_cache_bytes(config, seq_len, rope_dim, dtype_bytes):  # the sizes as given; None = the config's default
+    n_kv_heads = config.n_heads if config.n_kv_heads is None else config.n_kv_heads
+    d_c = config.d_model // 4 if config.kv_latent_dim is None else config.kv_latent_dim
+    per_token = {
+        "mha": 2 * config.n_heads * config.head_dim,
+        "gqa": 2 * n_kv_heads * config.head_dim,
+        "mqa": 2 * config.head_dim,
+        "mla": d_c + rope_dim,
+    }[config.attention]
+    return per_token * config.n_layers * seq_len * dtype_bytes
+
+
+def kv_cache_bytes_properties(config, seq_len, rope_dim, dtype_bytes):  # the config's effective sizes: also right
+    per_token = {
+        "mha": 2 * config.kv_heads * config.head_dim,
+        "gqa": 2 * config.kv_heads * config.head_dim,
+        "mqa": 2 * config.kv_heads * config.head_dim,
+        "mla": config.latent_dim + rope_dim,
+    }[config.attention]
+    return per_token * config.n_layers * seq_len * dtype_bytes
+
+
+def kv_cache_bytes_given_sizes(config, seq_len, rope_dim, dtype_bytes):  # n_kv_heads / kv_latent_dim may be None
     per_token = {
         "mha": 2 * config.n_heads * config.head_dim,
         "gqa": 2 * config.n_kv_heads * config.head_dim,
         "mqa": 2 * config.head_dim,
         "mla": config.kv_latent_dim + rope_dim,
-    }[variant]
+    }[config.attention]
     return per_token * config.n_layers * seq_len * dtype_bytes
 
 
-def kv_cache_bytes_one_layer(config, variant, seq_len, rope_dim, dtype_bytes):
-    return kv_cache_bytes(config, variant, seq_len, rope_dim, dtype_bytes) // config.n_layers
+def kv_cache_bytes_one_layer(config, seq_len, rope_dim, dtype_bytes):
+    return kv_cache_bytes(config, seq_len, rope_dim, dtype_bytes) // config.n_layers
 
 
-def kv_cache_bytes_no_rope(config, variant, seq_len, rope_dim, dtype_bytes):
-    return kv_cache_bytes(config, variant, seq_len, 0, dtype_bytes)
+def kv_cache_bytes_no_rope(config, seq_len, rope_dim, dtype_bytes):
+    return kv_cache_bytes(config, seq_len, 0, dtype_bytes)
 
 
-def kv_cache_bytes_latent_twice(config, variant, seq_len, rope_dim, dtype_bytes):
-    extra = config.kv_latent_dim + rope_dim if variant == "mla" else 0
-    return kv_cache_bytes(config, variant, seq_len, rope_dim, dtype_bytes) + extra * config.n_layers * seq_len * dtype_bytes
+def kv_cache_bytes_latent_twice(config, seq_len, rope_dim, dtype_bytes):
+    extra = config.latent_dim + rope_dim if config.attention == "mla" else 0
+    return kv_cache_bytes(config, seq_len, rope_dim, dtype_bytes) + extra * config.n_layers * seq_len * dtype_bytes
 
 
-def kv_cache_bytes_gqa_all_heads(config, variant, seq_len, rope_dim, dtype_bytes):
-    return kv_cache_bytes(config, "mha" if variant == "gqa" else variant, seq_len, rope_dim, dtype_bytes)
+def kv_cache_bytes_gqa_all_heads(config, seq_len, rope_dim, dtype_bytes):
+    if config.attention == "gqa":
+        return 2 * config.n_heads * config.head_dim * config.n_layers * seq_len * dtype_bytes
+    return kv_cache_bytes(config, seq_len, rope_dim, dtype_bytes)
 
 
-def kv_cache_bytes_rope_everywhere(config, variant, seq_len, rope_dim, dtype_bytes):
-    extra = 0 if variant == "mla" else rope_dim
-    return kv_cache_bytes(config, variant, seq_len, rope_dim, dtype_bytes) + extra * config.n_layers * seq_len * dtype_bytes
+def kv_cache_bytes_rope_everywhere(config, seq_len, rope_dim, dtype_bytes):
+    extra = 0 if config.attention == "mla" else rope_dim
+    return kv_cache_bytes(config, seq_len, rope_dim, dtype_bytes) + extra * config.n_layers * seq_len * dtype_bytes
 
 
-def kv_cache_bytes_float(config, variant, seq_len, rope_dim, dtype_bytes):
-    return float(kv_cache_bytes(config, variant, seq_len, rope_dim, dtype_bytes))
+def kv_cache_bytes_float(config, seq_len, rope_dim, dtype_bytes):
+    return float(kv_cache_bytes(config, seq_len, rope_dim, dtype_bytes))
 
 
 REFERENCE = [("07.1", absorbed_scores), ("07.2", fold_output), ("07.3", kv_cache_bytes)]
 
 
-@pytest.mark.parametrize("exercise_id, answer", REFERENCE)
+@pytest.mark.parametrize("exercise_id, answer", REFERENCE + [("07.3", kv_cache_bytes_properties)])
 def test_reference_answer_is_correct(exercise_id, answer):
     verdict = grade(exercise_id, answer)
     assert verdict.status == CORRECT, str(verdict)
@@ -129,6 +153,7 @@ def test_reference_answer_is_correct(exercise_id, answer):
         ("07.3", kv_cache_bytes_gqa_all_heads, "n_kv_heads"),
         ("07.3", kv_cache_bytes_rope_everywhere, "rope_dim only concerns MLA"),
         ("07.3", kv_cache_bytes_float, "Python int"),
+        ("07.3", kv_cache_bytes_given_sizes, "config.kv_heads and config.latent_dim"),
     ],
 )
 def test_plausible_mistake_is_wrong(exercise_id, answer, hint):
@@ -138,10 +163,10 @@ def test_plausible_mistake_is_wrong(exercise_id, answer, hint):
 
 
 def test_reference_answers_agree_with_the_library():
-    """The exercises' references are the library's MLA and kv_cache_size, not a second opinion."""
-    config = GPTConfig(d_model=24, n_heads=4, n_kv_heads=2, kv_latent_dim=10, n_layers=3, block_size=8)
+    """The exercises' references agree with the library's MLA and its layers' cache_width."""
+    config = GPTConfig(d_model=24, n_heads=4, kv_latent_dim=10, n_layers=3, block_size=8, attention="mla")
     torch.manual_seed(3)
-    mla = MultiHeadLatentAttention(config).eval()
+    mla = MultiHeadLatentAttention(24, 4, 10).eval()
     x = torch.randn(2, 6, config.d_model)
     with torch.no_grad():
         # 07.1: the absorbed scores are the naive path's scores
@@ -151,12 +176,14 @@ def test_reference_answers_agree_with_the_library():
         # 07.2: the folded matrices turn the absorbed path's weighted latents into the module's output
         mla.absorb = True
         q_latent, c, _ = mla.project(x)
-        y_latent, _ = mla.attend(q_latent, c, c, None, False)
+        y_latent, _ = mla.attend(q_latent, c, c, None, True, False)
         w = fold_output(mla.v_up.weight, mla.out_proj.weight, config.n_heads)
         out = torch.einsum("bhtc,hcm->btm", y_latent, w) + mla.out_proj.bias
         mla.absorb = False
         torch.testing.assert_close(out, mla(x))
-    # 07.3: Table 1 equals each class's kv_cache_size
+    # 07.3: Table 1 equals each layer's cache_width
     for variant in ("mha", "gqa", "mqa", "mla"):
-        expected = ATTENTION_REGISTRY[variant].kv_cache_size(config) * config.n_layers * 5 * 2
-        assert kv_cache_bytes(config, variant, 5, 0, 2) == expected
+        sized = {"gqa": dict(n_kv_heads=2), "mla": dict(kv_latent_dim=10)}.get(variant, {})
+        config_v = GPTConfig(d_model=24, n_heads=4, n_layers=3, block_size=8, attention=variant, **sized)
+        expected = ATTENTION_REGISTRY[variant](config_v).cache_width * config_v.n_layers * 5 * 2
+        assert kv_cache_bytes(config_v, 5, 0, 2) == expected

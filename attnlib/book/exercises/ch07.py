@@ -5,7 +5,7 @@
 * 07.2 ``check_fold_output``: the per-head output matrices ``(W^O_h W^UV_h)^T`` that map weighted
   latents straight to the output.
 * 07.3 ``check_kv_cache_bytes``: the KV-cache size of a whole model for MHA, GQA, MQA and MLA
-  (DeepSeek-V2, Table 1).
+  (DeepSeek-V2, Table 1), the variant named by ``config.attention``.
 
 Every grader draws its test tensors from a local ``torch.Generator``; ``grade`` runs it inside
 ``torch.random.fork_rng``, so checking an answer never moves the notebook's global random state.
@@ -165,11 +165,11 @@ def check_fold_output(fold_output) -> None:
 
 
 # ---------------------------------------------------------------- 07.3
-_CACHE_CONFIGS = [
-    GPTConfig(),  # the book's small model: 4 layers, 4 heads of 16, d_c = 16
-    GPTConfig(n_kv_heads=2, kv_latent_dim=24, n_layers=3),
-    GPTConfig(d_model=96, n_heads=6, n_kv_heads=3, kv_latent_dim=20, n_layers=5),
-    GPTConfig(d_model=16384, n_heads=128, n_kv_heads=8, kv_latent_dim=512, n_layers=60),  # DeepSeek-V2-sized attention
+_SIZES = [  # (sizes, n_kv_heads for "gqa", kv_latent_dim for "mla"): None = not given, the config's default
+    (dict(), None, None),  # the book's small model: 4 layers, 4 heads of 16; gqa then has 4 kv heads, d_c = 16
+    (dict(n_layers=3), 2, 24),
+    (dict(d_model=96, n_heads=6, n_layers=5), 3, 20),
+    (dict(d_model=16384, n_heads=128, n_layers=60), 8, 512),  # DeepSeek-V2-sized attention
 ]
 _CACHE_CALLS = [  # (seq_len, rope_dim, dtype_bytes)
     (1, 0, 4),
@@ -180,55 +180,76 @@ _CACHE_CALLS = [  # (seq_len, rope_dim, dtype_bytes)
 _VARIANTS = ("mha", "gqa", "mqa", "mla")
 
 
-def _per_token(config: GPTConfig, variant: str, rope_dim: int) -> int:
-    """DeepSeek-V2 Table 1: numbers cached per token per layer."""
-    n_h, n_g, d_h, d_c = config.n_heads, config.n_kv_heads, config.head_dim, config.kv_latent_dim
-    return {"mha": 2 * n_h * d_h, "gqa": 2 * n_g * d_h, "mqa": 2 * d_h, "mla": d_c + rope_dim}[variant]
+def _configs() -> list[tuple[GPTConfig, int]]:
+    """One config per size and variant, with the numbers Table 1 counts per token per layer (rope_dim aside)."""
+    out = []
+    for sizes, n_kv, d_c in _SIZES:
+        base = GPTConfig(**sizes)
+        n_h, d_h = base.n_heads, base.head_dim
+        out += [
+            (base, 2 * n_h * d_h),
+            (GPTConfig(**sizes, n_kv_heads=n_kv, attention="gqa"), 2 * (n_h if n_kv is None else n_kv) * d_h),
+            (GPTConfig(**sizes, attention="mqa"), 2 * d_h),
+            (GPTConfig(**sizes, kv_latent_dim=d_c, attention="mla"), base.d_model // 4 if d_c is None else d_c),
+        ]
+    return out
+
+
+_CACHE_CONFIGS = _configs()
 
 
 @exercise("07.3")
 def check_kv_cache_bytes(kv_cache_bytes) -> None:
-    """Check ``kv_cache_bytes(config, variant, seq_len, rope_dim, dtype_bytes) -> int`` against Table 1."""
-    for config in _CACHE_CONFIGS:
+    """Check ``kv_cache_bytes(config, seq_len, rope_dim, dtype_bytes) -> int`` against Table 1, variant ``config.attention``."""
+    for config, table1 in _CACHE_CONFIGS:
+        variant = config.attention
         for seq_len, rope_dim, dtype_bytes in _CACHE_CALLS:
-            for variant in _VARIANTS:
-                got = kv_cache_bytes(config, variant, seq_len, rope_dim, dtype_bytes)
-                if got is None:
-                    raise NotSolved("return the number of bytes as an int, not None")
-                expect(
-                    isinstance(got, int) and not isinstance(got, bool),
-                    f"return a Python int; got {type(got).__name__} (use int(...) if you computed a float or a tensor)",
-                )
-                per_token = _per_token(config, variant, rope_dim)
-                scale = config.n_layers * seq_len * dtype_bytes
-                expected = per_token * scale
-                if got == expected:
-                    continue
-                case = (
-                    f"kv_cache_bytes(n_layers={config.n_layers}, n_heads={config.n_heads}, n_kv_heads="
-                    f"{config.n_kv_heads}, head_dim={config.head_dim}, kv_latent_dim={config.kv_latent_dim}; "
-                    f"{variant!r}, seq_len={seq_len}, rope_dim={rope_dim}, dtype_bytes={dtype_bytes}) = {got:,}, "
-                    f"expected {expected:,}"
-                )
-                mistakes = [
-                    (per_token * seq_len * dtype_bytes, "multiply by config.n_layers: every layer has its own cache"),
-                    (per_token * config.n_layers * seq_len, "multiply by dtype_bytes: the cache holds numbers of that many bytes"),
-                    (per_token * config.n_layers * dtype_bytes, "multiply by seq_len: one entry per token"),
+            case = (
+                f"kv_cache_bytes(attention={variant!r}, n_layers={config.n_layers}, n_heads={config.n_heads}, "
+                f"n_kv_heads={config.n_kv_heads}, head_dim={config.head_dim}, kv_latent_dim={config.kv_latent_dim}; "
+                f"seq_len={seq_len}, rope_dim={rope_dim}, dtype_bytes={dtype_bytes})"
+            )
+            try:
+                got = kv_cache_bytes(config, seq_len, rope_dim, dtype_bytes)
+            except TypeError as e:  # arithmetic on a size left None
+                if "NoneType" in str(e) and None in (config.n_kv_heads, config.kv_latent_dim):
+                    expect(
+                        False,
+                        f"{case}: your code raised TypeError: {e}. GPTConfig keeps n_kv_heads and kv_latent_dim as "
+                        "given, None when not given; the values the layers use are config.kv_heads and config.latent_dim",
+                    )
+                raise
+            if got is None:
+                raise NotSolved("return the number of bytes as an int, not None")
+            expect(
+                isinstance(got, int) and not isinstance(got, bool),
+                f"return a Python int; got {type(got).__name__} (use int(...) if you computed a float or a tensor)",
+            )
+            per_token = table1 + (rope_dim if variant == "mla" else 0)
+            scale = config.n_layers * seq_len * dtype_bytes
+            expected = per_token * scale
+            if got == expected:
+                continue
+            case = f"{case} = {got:,}, expected {expected:,}"
+            mistakes = [
+                (per_token * seq_len * dtype_bytes, "multiply by config.n_layers: every layer has its own cache"),
+                (per_token * config.n_layers * seq_len, "multiply by dtype_bytes: the cache holds numbers of that many bytes"),
+                (per_token * config.n_layers * dtype_bytes, "multiply by seq_len: one entry per token"),
+            ]
+            if variant == "mla":
+                mistakes += [
+                    (table1 * scale, "the decoupled RoPE key k^R_t (rope_dim numbers per token) is cached next to the latent"),
+                    (2 * table1 * scale, "the latent is shared by keys and values: cache d_c + rope_dim numbers, not twice d_c"),
+                    (2 * per_token * scale, "the latent is shared by keys and values: cache d_c + rope_dim numbers, not twice that"),
                 ]
-                if variant == "mla":
-                    mistakes += [
-                        (config.kv_latent_dim * scale, "the decoupled RoPE key k^R_t (rope_dim numbers per token) is cached next to the latent"),
-                        (2 * config.kv_latent_dim * scale, "the latent is shared by keys and values: cache d_c + rope_dim numbers, not twice d_c"),
-                        (2 * (config.kv_latent_dim + rope_dim) * scale, "the latent is shared by keys and values: cache d_c + rope_dim numbers, not twice that"),
-                    ]
-                else:
-                    mistakes += [
-                        ((per_token + rope_dim) * scale, "rope_dim only concerns MLA's decoupled key; MHA, GQA and MQA rotate their keys in place"),
-                        (per_token // 2 * scale, "keys AND values are cached: a factor 2"),
-                    ]
-                if variant == "gqa":
-                    mistakes.append((2 * config.n_heads * config.head_dim * scale, "GQA caches n_kv_heads key/value heads, not n_heads"))
-                for value, hint in mistakes:
-                    expect(value == expected or got != value, f"{case}: {hint}")
-                raise Wrong(f"{case}. Numbers per token per layer (DeepSeek-V2 Table 1): MHA 2*n_heads*head_dim, "
-                            "GQA 2*n_kv_heads*head_dim, MQA 2*head_dim, MLA kv_latent_dim + rope_dim")
+            else:
+                mistakes += [
+                    ((per_token + rope_dim) * scale, "rope_dim only concerns MLA's decoupled key; MHA, GQA and MQA rotate their keys in place"),
+                    (per_token // 2 * scale, "keys AND values are cached: a factor 2"),
+                ]
+            if variant == "gqa":
+                mistakes.append((2 * config.n_heads * config.head_dim * scale, "GQA caches n_kv_heads key/value heads, not n_heads"))
+            for value, hint in mistakes:
+                expect(value == expected or got != value, f"{case}: {hint}")
+            raise Wrong(f"{case}. Numbers per token per layer (DeepSeek-V2 Table 1): MHA 2*n_heads*head_dim, "
+                        "GQA 2*n_kv_heads*head_dim, MQA 2*head_dim, MLA kv_latent_dim + rope_dim")
