@@ -1,8 +1,11 @@
-# make book  - build the book into _build/html
-# make test  - lint, unit tests, every notebook and solution under nbval, the book with warnings
-#              as errors, then every page of it in headless Chromium
-# Both create .venv (Python 3.11) and install requirements.txt and attnlib on first use, and the
-# book's scripts from package-lock.json (npm); the browser tests install Debian's chromium if missing.
+# make book      - build the book into _build/html
+# make chromium  - install Debian's chromium for the browser tests, if no Chromium is found (once, needs sudo)
+# make test      - lint, unit tests, every notebook and solution under nbval, the book with warnings
+#                  as errors (_config.strict.yml), then every page of it in headless Chromium
+# make gpu       - on a CUDA machine: what the GitHub workflow's GPU job runs (unit tests, nbval-lax, benchmarks)
+# They create .venv (Python 3.11) and install requirements.txt and attnlib (editable, with its book and
+# test extras) on first use, and the book's scripts from package-lock.json (npm). `make test` installs no
+# browser: run `make chromium` first (or set CHROMIUM=/path/to/chrome).
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
@@ -14,13 +17,13 @@ export ATTNLIB_DATA_DIR
 export PYDEVD_DISABLE_FILE_VALIDATION = 1
 NBVAL   = --nbval --nbval-current-env --nbval-sanitize-with .nbval_sanitize.cfg --nbval-cell-timeout 600
 
-.PHONY: book test lint unit notebooks book-strict browser chromium clean venv static
+.PHONY: book test lint unit notebooks book-strict browser chromium gpu clean venv static
 
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -r requirements.txt -e .
+	$(BIN)/python -m pip install --quiet -r requirements.txt -e ".[book,test]"
 	touch $@
 
 # The scripts the built book serves itself from _static (no network when reading it): MathJax 3, the
@@ -54,23 +57,36 @@ notebooks: venv
 	$(BIN)/python -m pytest $(NBVAL) notebooks solutions -q
 
 # nbval has just re-executed every notebook and matched its stored outputs, so the strict
-# build renders those outputs instead of executing everything a second time.
+# build renders those outputs instead of executing everything a second time: _config.strict.yml
+# is _config.yml with execute_notebooks "off" (tests/test_layout.py keeps the two in step).
 book-strict: venv static
-	mkdir -p _build
-	sed -e 's/execute_notebooks: cache/execute_notebooks: "off"/' -e 's#: book/_ext#: ../book/_ext#' _config.yml > _build/_config.test.yml
-	$(BIN)/jupyter-book build . -W --keep-going --config _build/_config.test.yml
+	$(BIN)/jupyter-book build . -W --keep-going --config _config.strict.yml
 
 # Every page of _build/html in headless Chromium (browser_tests/); screenshots in _build/screenshots.
-browser: venv chromium
+# Needs a Chromium: `make chromium` installs one, CHROMIUM=/path/to/chrome names another.
+browser: venv
 	$(BIN)/python -m pytest browser_tests -q
 
-# Debian's chromium (CHROMIUM=/path/to/chrome uses another build of Chromium instead).
+# Debian's chromium, when no Chromium is found (CHROMIUM=/path/to/chrome uses another build instead).
+# Its own step: `make test` installs nothing system-wide; .ci/run runs it before `make test`.
 SUDO = $(if $(filter 0,$(shell id -u)),,sudo)
 chromium:
 	@if [ -z "$$CHROMIUM" ] && ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then \
 	  echo "Installing Debian's chromium for the browser tests"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium >/dev/null; \
 	fi
+
+# The GitHub workflow's GPU job runs exactly `make gpu` (.github/workflows/ci.yml): anyone with a
+# CUDA machine checks the GPU lane with this one command. Benchmark results go to bench-gpu/.
+gpu: venv
+	$(BIN)/python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
+	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout 600 notebooks solutions -q
+	mkdir -p bench-gpu
+	$(BIN)/python -m attnlib.bench mha --device cuda --out bench-gpu/mha.json
+	$(BIN)/python -m attnlib.bench kv-cache --device cuda --out bench-gpu/kv_cache.json
+	$(BIN)/python -m attnlib.bench memory --device cuda --out bench-gpu/memory.json
+	$(BIN)/python -m attnlib.bench train --device cuda --out bench-gpu/train.json
 
 clean:
 	rm -rf _build

@@ -166,3 +166,48 @@ def test_no_path_from_dunder_file():
             if isinstance(node, ast.Name) and node.id == "__file__":
                 bad.append(f"{path}:{node.lineno}")
     assert not bad, "modules computing paths from __file__:\n" + "\n".join(bad)
+
+
+# ------------------------------------------------------------------ the build (issue 11, part 7)
+
+REPO = PACKAGE.parent
+
+
+def make_target(name: str) -> tuple[list[str], list[str]]:
+    """``(prerequisites, recipe lines)`` of a Makefile target."""
+    lines = (REPO / "Makefile").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{name}:"))
+    recipe = []
+    for line in lines[start + 1:]:
+        if not line.startswith("\t"):
+            break
+        recipe.append(line.strip())
+    return lines[start].split(":", 1)[1].split(), recipe
+
+
+def test_the_strict_build_config_is_config_yml_with_execution_off():
+    yaml = pytest.importorskip("yaml")
+    main = yaml.safe_load((REPO / "_config.yml").read_text())
+    strict = yaml.safe_load((REPO / "_config.strict.yml").read_text())
+    assert strict["execute"].pop("execute_notebooks") == "off"
+    main["execute"].pop("execute_notebooks")
+    assert strict == main, "_config.strict.yml must equal _config.yml except execute.execute_notebooks"
+    _, recipe = make_target("book-strict")
+    assert any("--config _config.strict.yml" in line for line in recipe) and not any("sed" in line for line in recipe)
+
+
+def test_make_test_installs_no_browser_and_ci_installs_it_first():
+    prerequisites, _ = make_target("browser")
+    assert "chromium" not in prerequisites and "chromium" not in make_target("test")[0]
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert ci.index("make chromium") < ci.index("make test")
+
+
+def test_the_github_gpu_job_runs_make_gpu():
+    yaml = pytest.importorskip("yaml")
+    workflow = yaml.safe_load((REPO / ".github" / "workflows" / "ci.yml").read_text())
+    runs = [step["run"].strip() for step in workflow["jobs"]["gpu"]["steps"] if "run" in step]
+    assert runs[-1] == "make gpu", runs
+    assert not any("pytest" in r or "attnlib.bench" in r or "pip install" in r for r in runs[:-1]), runs
+    _, recipe = make_target("gpu")
+    assert any("--nbval-lax" in line for line in recipe) and any("attnlib.bench" in line for line in recipe)
