@@ -219,7 +219,7 @@ def check_gpt2_attention(gpt2_attention) -> None:
 
         x = torch.randn(1, 5, 768, generator=g)
         with torch.no_grad():
-            q, k, v = (module.split_heads(t) for t in module.qkv(x).split(768, dim=-1))  # 3 x (1, 12, 5, 64)
+            q, k, v = (t.view(1, 5, 12, 64).transpose(1, 2) for t in module.qkv(x).split(768, dim=-1))  # 3 x (1, 12, 5, 64)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (1, 12, 5, 64)
             expected = module.out_proj(y.transpose(1, 2).reshape(1, 5, 768))  # -> (1, 5, 768)
             expect_close(module.eval()(x), expected, f"{case}: module(x) (compared with causal attention by hand)")
