@@ -193,6 +193,8 @@ class MultiHeadAttention(nn.Module):
                     f"mask of shape {tuple(mask.shape)} must be 4-D and broadcast to (B, n_heads, T_q, T_k) = {target} "
                     f"with each dim 1 or equal (a key padding mask goes in key_padding_mask=(B, T_k))"
                 )
+            if mask.device != x.device:
+                raise ValueError(f"mask is on {mask.device} but x is on {x.device}")
             if mask.shape[1] != 1 and not self.per_head_masks:
                 raise ValueError(f"{type(self).__name__} mixes heads and cannot honour a per-head mask; got {tuple(mask.shape)}")
         if key_padding_mask is not None:
@@ -201,6 +203,8 @@ class MultiHeadAttention(nn.Module):
                     "key_padding_mask must be a boolean tensor, True = a real token (nn.MultiheadAttention's "
                     f"is the opposite); got {getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)}"
                 )
+            if key_padding_mask.device != x.device:
+                raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but x is on {x.device}")
             if tuple(key_padding_mask.shape) != (B, T_k):
                 raise ValueError(f"key_padding_mask must have shape (B, T_k) = {(B, T_k)}; got {tuple(key_padding_mask.shape)}")
             keys = key_padding_mask[:, None, None, :]  # (B, T_k) -> (B, 1, 1, T_k): every head, every query

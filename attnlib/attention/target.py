@@ -59,7 +59,8 @@ class TargetAttention(nn.Module):
         mlp: ``nn.Sequential`` from ``4 * d_embed`` to 1.
 
     Raises:
-        TypeError / ValueError: a non-integer or non-positive width, an unknown activation or mode.
+        TypeError / ValueError: a non-integer or non-positive width, ``hidden`` not a tuple of widths,
+            an unknown activation or mode.
     """
 
     def __init__(
@@ -67,6 +68,8 @@ class TargetAttention(nn.Module):
     ) -> None:
         super().__init__()
         positive_int("d_embed", d_embed)
+        if isinstance(hidden, (str, bytes)) or not isinstance(hidden, (tuple, list)):
+            raise TypeError(f"hidden must be a tuple of layer widths, e.g. (36,); got {hidden!r}")
         hidden = tuple(hidden)
         for i, width in enumerate(hidden):
             positive_int(f"hidden[{i}]", width)
@@ -95,6 +98,12 @@ class TargetAttention(nn.Module):
                 raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
             if not t.is_floating_point():
                 raise TypeError(f"{name} must be floating point; got dtype {t.dtype}")
+        weight = self.mlp[0].weight
+        for name, t in (("candidate", candidate), ("behaviours", behaviours)):
+            if t.dtype != weight.dtype and not torch.is_autocast_enabled(t.device.type):
+                raise TypeError(f"{name} is {t.dtype} but the module's weights are {weight.dtype}; convert one of them")
+            if t.device != weight.device:
+                raise ValueError(f"{name} is on {t.device} but the module's weights are on {weight.device}")
         if candidate.dim() != 2 or candidate.shape[-1] != self.d_embed:
             raise ValueError(f"candidate must have shape (B, d_embed={self.d_embed}); got {tuple(candidate.shape)}")
         if behaviours.dim() != 3 or behaviours.shape[-1] != self.d_embed:
@@ -109,6 +118,8 @@ class TargetAttention(nn.Module):
             if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
                 got = getattr(mask, "dtype", type(mask).__name__)
                 raise TypeError(f"mask must be a boolean tensor (True = real behaviour); got {got}")
+            if mask.device != behaviours.device:
+                raise ValueError(f"mask is on {mask.device} but behaviours are on {behaviours.device}")
             if tuple(mask.shape) != tuple(behaviours.shape[:2]):
                 raise ValueError(
                     f"mask must have shape (B, T) = {tuple(behaviours.shape[:2])}; got {tuple(mask.shape)}"
@@ -137,7 +148,8 @@ class TargetAttention(nn.Module):
             The pooled interest ``(B, d_embed)`` (and the weights).
 
         Raises:
-            TypeError / ValueError: bad shapes or dtypes, a batch mismatch, a non-boolean mask.
+            TypeError / ValueError: bad shapes or dtypes (also a dtype other than the module's, both named),
+                a device other than the module's, a batch mismatch, a non-boolean mask.
         """
         self._check(candidate, behaviours, mask)
         if mask is None:
