@@ -18,14 +18,14 @@ import torch
 
 from attnlib.attention import MultiHeadAttention, MultiHeadAttentionWrapper
 from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect, expect_close
-from attnlib.functional import attention, causal_mask
+from attnlib.functional import attention
 
 __all__ = ["check_split_into_heads", "check_mha_einsum", "check_mha_param_count"]
 
 
 def _random_mha(d_model: int, n_heads: int, block_size: int, bias: bool, g: torch.Generator) -> MultiHeadAttention:
     """A causal eager MultiHeadAttention whose weights come from ``g`` (not from the global RNG)."""
-    mha = MultiHeadAttention(d_model, n_heads, block_size=block_size, bias=bias, backend="eager").eval()
+    mha = MultiHeadAttention(d_model, n_heads, block_size=block_size, bias=bias, attn_fn="eager").eval()
     with torch.no_grad():
         for p in mha.parameters():
             p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(d_model))
@@ -34,8 +34,8 @@ def _random_mha(d_model: int, n_heads: int, block_size: int, bias: bool, g: torc
 
 def _head_outputs(mha: MultiHeadAttention, x: torch.Tensor) -> torch.Tensor:
     """Each head's output before the output projection: ``(B, n_heads, T, head_dim)``."""
-    q, k, v = (mha.split_heads(t) for t in mha.qkv(x).split(mha.d_model, dim=-1))
-    return attention(q, k, v, mask=causal_mask(x.shape[1]))[0]
+    q, k, v = (mha.split_heads(t, mha.n_heads) for t in mha.qkv(x).split(mha.d_model, dim=-1))
+    return attention(q, k, v, is_causal=True)[0]
 
 
 # ---------------------------------------------------------------- 04.1
@@ -181,8 +181,8 @@ def check_mha_einsum(mha_einsum) -> None:
 
 def _scaled_reference(mha: MultiHeadAttention, x: torch.Tensor, scale: float) -> torch.Tensor:
     B, T, d_model = x.shape
-    q, k, v = (mha.split_heads(t) for t in mha.qkv(x).split(d_model, dim=-1))
-    y = attention(q, k, v, mask=causal_mask(T), scale=scale)[0]
+    q, k, v = (mha.split_heads(t, mha.n_heads) for t in mha.qkv(x).split(d_model, dim=-1))
+    y = attention(q, k, v, is_causal=True, scale=scale)[0]
     return mha.out_proj(y.transpose(1, 2).reshape(B, T, d_model))  # (B, n_heads, T, head_dim) -> (B, T, d_model)
 
 
