@@ -18,7 +18,6 @@ from torch import nn
 from attnlib.attention.multi_head import MultiHeadAttention
 from attnlib.attention.talking_heads import BiasedTalkingHeadsAttention, TalkingHeadsAttention
 from attnlib.book.exercises._core import exercise, expect, expect_close
-from attnlib.config import GPTConfig
 from attnlib.functional import attention, causal_mask, padding_mask
 
 __all__ = ["check_talking_heads_weights", "check_leaking_positions", "check_convex_mix"]
@@ -28,33 +27,33 @@ __all__ = ["check_talking_heads_weights", "check_leaking_positions", "check_conv
 def _reference_weights(q, k, mix_logits, mix_weights, mask):
     """attnlib's talking-heads weights for the given queries, keys, mixing and mask (no causal mask added)."""
     B, n_heads, T_k, head_dim = k.shape
-    module = TalkingHeadsAttention(GPTConfig(d_model=n_heads * head_dim, n_heads=n_heads, block_size=T_k)).eval()
-    module.causal = False  # the caller's mask is the whole mask
+    module = TalkingHeadsAttention(n_heads * head_dim, n_heads, block_size=T_k, causal=False).eval()  # mask: all of it
     with torch.no_grad():
         module.mix_logits.copy_(mix_logits)
         module.mix_weights.copy_(mix_weights)
         v = torch.zeros(B, n_heads, T_k, 1)
-        _, weights = module.attend(q, k, v, mask, need_weights=True)
+        _, weights = module.attend(q, k, v, mask, is_causal=False, need_weights=True)
     return weights
 
 
 def _cases_05_1(g: torch.Generator):
-    """(description, q, k, mix_logits, mix_weights, mask)."""
+    """(description, q, k, mix_logits, mix_weights, mask); each mask has the scores' rank, 4."""
     cases = []
 
     def mixing(n_heads):
         return torch.randn(n_heads, n_heads, generator=g), torch.randn(n_heads, n_heads, generator=g)
 
     q, k = torch.randn(2, 2, 4, 5, 3, generator=g).unbind(0)  # B=2, n_heads=4, T=5, head_dim=3
-    cases.append(("a causal mask", q, k, *mixing(4), causal_mask(5)))
+    cases.append(("a causal mask", q, k, *mixing(4), causal_mask(5)[None, None]))  # (1, 1, T, T)
     q, k = torch.randn(2, 1, 2, 4, 8, generator=g).unbind(0)
     cases.append(("mask=None", q, k, *mixing(2), None))
     q, k = torch.randn(2, 2, 3, 6, 4, generator=g).unbind(0)
-    left_padded = causal_mask(6) & padding_mask(torch.tensor([6, 2]), 6).flip(-1)  # (B, T, T); rows 0..3 of seq 1 empty
+    real = padding_mask(torch.tensor([6, 2]), 6).flip(-1)  # (B, T), True = real token, padded on the left
+    left_padded = causal_mask(6) & real[:, None, :]  # (B, T, T); rows 0..3 of sequence 1 are empty
     cases.append(("a left-padded causal mask (some rows have no key at all)", q, k, *mixing(3), left_padded.unsqueeze(1)))
     q = torch.randn(1, 4, 2, 4, generator=g)
     k = torch.randn(1, 4, 6, 4, generator=g)
-    cases.append(("2 queries over 6 keys (bottom-right causal mask)", q, k, *mixing(4), causal_mask(2, 6)))
+    cases.append(("2 queries over 6 keys (bottom-right causal mask)", q, k, *mixing(4), causal_mask(2, 6)[None, None]))
     return cases
 
 
@@ -102,21 +101,29 @@ class _MaskedAttention(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, offset: int) -> None:
         super().__init__()
-        self.attn = MultiHeadAttention(d_model, n_heads, causal=False, backend="eager")
+        self.attn = MultiHeadAttention(d_model, n_heads, causal=False, attn_fn="eager")
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[1]
         i = torch.arange(T)[:, None]
         j = torch.arange(T)[None, :]
-        return self.attn(x, mask=(j <= i) | (j == i + self.offset))  # (B, T, d_model)
+        mask = ((j <= i) | (j == i + self.offset))[None, None]  # (1, 1, T, T): every sequence, every head
+        return self.attn(x, mask=mask)  # (B, T, d_model)
 
 
-def _talking_heads(config: GPTConfig, g: torch.Generator, cls=TalkingHeadsAttention, bias: float | None = None):
-    module = cls(config)
+def _talking_heads(
+    d_model: int,
+    n_heads: int,
+    g: torch.Generator,
+    cls=TalkingHeadsAttention,
+    bias: float | None = None,
+    dropout: float = 0.0,
+):
+    module = cls(d_model, n_heads, block_size=16, dropout=dropout)
     with torch.no_grad():
-        module.mix_logits.copy_(torch.randn(config.n_heads, config.n_heads, generator=g))
-        module.mix_weights.copy_(torch.randn(config.n_heads, config.n_heads, generator=g))
+        module.mix_logits.copy_(torch.randn(n_heads, n_heads, generator=g))
+        module.mix_weights.copy_(torch.randn(n_heads, n_heads, generator=g))
         if bias is not None:
             module.mix_weights_bias.fill_(bias)
     return module
@@ -126,19 +133,18 @@ def _talking_heads(config: GPTConfig, g: torch.Generator, cls=TalkingHeadsAttent
 def check_leaking_positions(fn) -> None:
     """Check a per-position leak finder on causal, biased and partly unmasked layers."""
     T, d_model, n_heads = 7, 16, 4
-    config = GPTConfig(d_model=d_model, n_heads=n_heads, block_size=16)
     g = torch.Generator().manual_seed(52)
     torch.manual_seed(52)  # the modules' own projections
     after = torch.arange(T)
     modules = [
-        ("TalkingHeadsAttention with random mixing", _talking_heads(config, g), lambda t: after < 0,
+        ("TalkingHeadsAttention with random mixing", _talking_heads(d_model, n_heads, g), lambda t: after < 0,
          "a causal layer was reported as leaking"),
         ("TalkingHeadsAttention with dropout 0.2, in training mode",
-         _talking_heads(GPTConfig(d_model=d_model, n_heads=n_heads, block_size=16, dropout=0.2), g).train(),
+         _talking_heads(d_model, n_heads, g, dropout=0.2).train(),
          lambda t: after < 0, "dropout makes two runs differ by chance: call module.eval() before comparing"),
-        ("BiasedTalkingHeadsAttention (bias 0.01)", _talking_heads(config, g, BiasedTalkingHeadsAttention, 0.01),
+        ("BiasedTalkingHeadsAttention (bias 0.01)", _talking_heads(d_model, n_heads, g, BiasedTalkingHeadsAttention, 0.01),
          lambda t: after > t, "a bias after the softmax puts weight on every key after t"),
-        ("BiasedTalkingHeadsAttention with bias 1e-4", _talking_heads(config, g, BiasedTalkingHeadsAttention, 1e-4),
+        ("BiasedTalkingHeadsAttention with bias 1e-4", _talking_heads(d_model, n_heads, g, BiasedTalkingHeadsAttention, 1e-4),
          lambda t: after > t, "a leak of about 1e-4 went unnoticed: use a tight tolerance (1e-6)"),
         ("attention whose mask also opens the key 2 ahead", _MaskedAttention(d_model, n_heads, 2),
          lambda t: after == t + 2,
@@ -172,14 +178,15 @@ def _cases_05_3(g: torch.Generator):
     """(description, weights, mask, mix_raw)."""
     cases = []
     q, k, v = torch.randn(3, 2, 4, 5, 3, generator=g).unbind(0)
-    _, w = attention(q, k, v, mask=causal_mask(5))
+    _, w = attention(q, k, v, mask=causal_mask(5)[None, None])  # mask (1, 1, T, T) for scores (B, n_heads, T, T)
     cases.append(("causal weights", w, causal_mask(5).expand_as(w), 2.0 * torch.randn(4, 4, generator=g)))
     q, k, v = torch.randn(3, 2, 3, 6, 4, generator=g).unbind(0)
-    mask = (causal_mask(6) & padding_mask(torch.tensor([6, 3]), 6).flip(-1)).unsqueeze(1)  # (B, 1, T, T)
+    real = padding_mask(torch.tensor([6, 3]), 6).flip(-1)  # (B, T), True = real token, padded on the left
+    mask = causal_mask(6) & real[:, None, None, :]  # (T, T) & (B, 1, 1, T) -> (B, 1, T, T)
     _, w = attention(q, k, v, mask=mask)
     cases.append(("left-padded weights (some rows empty)", w, mask.expand_as(w), torch.randn(3, 3, generator=g)))
     q, k, v = torch.randn(3, 1, 4, 4, 2, generator=g).unbind(0)
-    _, w = attention(q, k, v, mask=causal_mask(4))
+    _, w = attention(q, k, v, mask=causal_mask(4)[None, None])
     cases.append(("mix_raw = 0 (every head becomes the average of all heads)", w, causal_mask(4).expand_as(w),
                   torch.zeros(4, 4)))
     cases.append(("mix_raw with entries near +-100", w, causal_mask(4).expand_as(w),
