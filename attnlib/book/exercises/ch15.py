@@ -152,7 +152,7 @@ def check_longest_context(longest_context) -> None:
 
 
 # ---------------------------------------------------------------- 15.3
-_TILE_CASES = [  # (T_q, T_k, block_size_q, block_size_k)
+_TILE_CASES = [  # (T_q, T_k, queries per tile, keys per tile)
     (8, 8, 4, 4),
     (10, 10, 3, 4),
     (7, 12, 4, 3),  # fewer queries than keys: the last queries of a sequence, after a cache
