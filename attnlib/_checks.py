@@ -185,6 +185,6 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index
             f"(expected {tuple(logits.shape[:-1])})"
         )
     flat = targets.reshape(-1)
-    total = F.cross_entropy(logits.reshape(flat.numel(), -1), flat, ignore_index=ignore_index, reduction="sum")
+    total = F.cross_entropy(logits.reshape(flat.numel(), logits.shape[-1]), flat, ignore_index=ignore_index, reduction="sum")
     counted = (flat != ignore_index).sum().clamp(min=1)  # every target ignored: 0 / 1, not 0 / 0
     return total / counted

@@ -1,5 +1,4 @@
 """Tokenizers (chapter 11): word-level with special tokens, byte-level BPE, and BPE against Hugging Face."""
-import os
 
 import pytest
 import torch
@@ -190,57 +189,3 @@ def test_bytes_to_unicode_is_a_bijection():
 
 # --- outside reference: Hugging Face tokenizers --------------------------------------------------
 
-def _hf_byte_level_bpe(text, vocab_size):
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    hf = tokenizers.Tokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False, special_tokens=[])
-    hf.train_from_iterator([text], trainer)
-    return hf
-
-
-@pytest.fixture(scope="module")
-def shakespeare():
-    if not os.environ.get("ATTNLIB_DATA_DIR"):
-        pytest.skip("ATTNLIB_DATA_DIR is not set: the Hugging Face comparison needs the real Tiny Shakespeare file")
-    from attnlib.data import load_tiny_shakespeare
-
-    return load_tiny_shakespeare(download=False)
-
-
-def test_from_hf_encodes_tiny_shakespeare_to_the_same_ids(shakespeare):
-    # HF's trainer is slow on one long sequence, so it learns from 30 kB; both then encode the whole text.
-    hf = _hf_byte_level_bpe(shakespeare[:30_000], vocab_size=400)
-    ours = BPETokenizer.from_hf(hf)
-    assert ours.vocab_size == hf.get_vocab_size() == 400
-    expected = hf.encode(shakespeare).ids
-    assert ours.encode(shakespeare) == expected
-    assert ours.decode(expected) == hf.decode(expected) == shakespeare
-    s = "Ünïcödé 日本語 😀, not in Shakespeare"
-    assert ours.encode(s) == hf.encode(s).ids
-
-
-def test_from_hf_accepts_the_json_dict(shakespeare):
-    import json
-
-    hf = _hf_byte_level_bpe(shakespeare[:5_000], vocab_size=300)
-    ours = BPETokenizer.from_hf(json.loads(hf.to_str()))
-    assert ours.encode(shakespeare[:20_000]) == hf.encode(shakespeare[:20_000]).ids
-
-
-def test_own_training_agrees_with_hf_training(shakespeare):
-    # Same counts; ties are broken differently (HF orders its base alphabet by character, not byte),
-    # so only report how many of the first merges agree, and require most of them to.
-    text = shakespeare[:30_000]
-    hf = BPETokenizer.from_hf(_hf_byte_level_bpe(text, vocab_size=400))
-    ours = BPETokenizer().train(text, vocab_size=400)
-    as_bytes = lambda tok: [(tok.vocab[a], tok.vocab[b]) for (a, b), _ in tok.merges]  # noqa: E731
-    ours_m, hf_m = as_bytes(ours), as_bytes(hf)
-    same_prefix = next((i for i, (x, y) in enumerate(zip(ours_m, hf_m)) if x != y), len(ours_m))
-    print(f"first {same_prefix} of {len(ours_m)} merges identical; {len(set(ours_m) & set(hf_m))} shared in all")
-    assert same_prefix >= 50
-    assert len(set(ours_m) & set(hf_m)) >= 0.9 * len(ours_m)
