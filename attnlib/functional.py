@@ -1,4 +1,4 @@
-"""The attention functions and the masks they take: one signature, checked once.
+"""The attention functions: one signature, checked once (the masks they take: :mod:`attnlib.masks`).
 
 Every attention function here (and :func:`attnlib.attention.tiled.tiled_attention`)
 has the signature of Hugging Face's ``AttentionInterface`` functions::
@@ -26,12 +26,20 @@ Conventions (chapter 03):
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
+
+from attnlib.masks import (
+    causal_mask,
+    combined_mask,
+    future_mask,
+    mask_from_mod,
+    masked_softmax,
+    padding_mask,
+    score_indices,
+)
 
 __all__ = [
     "attention",
@@ -135,132 +143,6 @@ def check_attention_inputs(
             raise ValueError(f"mask is on {mask.device} but q on {q.device}")
 
 
-def _check_length(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}={value!r} must be an integer >= 0")
-
-
-@lru_cache(maxsize=16)
-def _future(T_q: int, T_k: int, device: torch.device) -> torch.Tensor:
-    """``(T_q, T_k)`` bool, ``True`` where the key lies after the query (bottom-right); cached, never written."""
-    return torch.ones(T_q, T_k, dtype=torch.bool, device=device).triu(diagonal=T_k - T_q + 1)
-
-
-def causal_mask(T_q: int, T_k: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
-    """Boolean causal mask ``(T_q, T_k)``, aligned to the bottom-right corner; ``True`` = may attend.
-
-    Query ``i`` sits at absolute position ``T_k - T_q + i`` and may attend to every key at
-    or before it. With ``T_q == T_k`` this is the lower triangle; with ``T_q < T_k``
-    (decoding with a KV cache) a top-left triangle would hide keys. Chapter 03.
-
-    Raises:
-        ValueError: a length that is not an integer >= 0, or ``T_q > T_k``.
-    """
-    T_k = T_q if T_k is None else T_k
-    _check_length("T_q", T_q)
-    _check_length("T_k", T_k)
-    if T_q > T_k:
-        raise ValueError(f"T_q={T_q} > T_k={T_k}: a bottom-right causal mask needs at least as many keys as queries")
-    return torch.ones(T_q, T_k, dtype=torch.bool, device=device).tril(diagonal=T_k - T_q)
-
-
-def padding_mask(lengths: torch.Tensor | list[int], T: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Key padding mask ``(B, T)`` from sequence lengths: ``True`` where key ``j < lengths[b]`` is a real token.
-
-    ``nn.MultiheadAttention``'s ``key_padding_mask`` uses the opposite convention (``True`` =
-    ignore): pass ``~padding_mask(...)`` there. For scores ``(B, n_heads, T_q, T)`` use
-    ``padding_mask(...)[:, None, None, :]``; for single-head scores ``(B, T_q, T)``,
-    ``[:, None, :]``. Chapter 03.
-
-    Raises:
-        TypeError: ``lengths`` not integer.
-        ValueError: ``T < 0``, ``lengths`` not 1-D, or a length outside ``[0, T]``.
-    """
-    _check_length("T", T)
-    if not isinstance(lengths, torch.Tensor):
-        if isinstance(lengths, (str, bytes)) or not isinstance(lengths, (list, tuple)):
-            raise TypeError(f"lengths must be a 1-D integer tensor or a list of ints; got {type(lengths).__name__}")
-        bad = [n for n in lengths if isinstance(n, bool) or not isinstance(n, numbers.Integral)]
-        if bad:
-            raise TypeError(f"lengths must be integers; got {bad[0]!r} in {lengths!r}")
-        lengths = torch.tensor([int(n) for n in lengths], dtype=torch.long)  # [] -> an empty batch, not float
-    lengths = lengths.to(device) if device is not None else lengths
-    if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
-        raise TypeError(f"lengths must be integers; got dtype {lengths.dtype}")
-    if lengths.dim() != 1:
-        raise ValueError(f"lengths must be 1-D of shape (B,); got shape {tuple(lengths.shape)}")
-    if ((lengths < 0) | (lengths > T)).any():
-        raise ValueError(f"every length must be in [0, T={T}]; got {lengths.tolist()}")
-    return torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]  # (1, T) < (B, 1) -> (B, T)
-
-
-def _indices(shape: torch.Size, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Broadcastable ``b, h, q_idx, kv_idx`` index tensors for scores of ``shape`` (``q_idx`` absolute)."""
-    T_q, T_k = shape[-2], shape[-1]
-    n = len(shape)
-    lead = [torch.arange(s, device=device).view(*([1] * i), s, *([1] * (n - 1 - i))) for i, s in enumerate(shape[:-2])]
-    q_idx = torch.arange(T_k - T_q, T_k, device=device).view(*([1] * (n - 2)), T_q, 1)
-    kv_idx = torch.arange(T_k, device=device).view(*([1] * (n - 1)), T_k)
-    b = lead[0] if n >= 3 else torch.zeros((), dtype=torch.long, device=device)
-    h = lead[1] if n >= 4 else torch.zeros((), dtype=torch.long, device=device)
-    return b, h, q_idx, kv_idx
-
-
-def mask_from_mod(mask_mod: Callable[..., torch.Tensor], shape: tuple[int, ...], device=None) -> torch.Tensor:
-    """A boolean mask of ``shape`` ``(B, n_heads, T_q, T_k)`` from a FlexAttention mask function.
-
-    ``mask_mod(b, h, q_idx, kv_idx) -> bool`` says whether query ``q_idx`` may see key
-    ``kv_idx``; it is called once on broadcastable index tensors (``q_idx`` counts from
-    ``T_k - T_q``, as a cached decode does), like ``torch.nn.attention.flex_attention.create_mask``.
-    Example: the causal mask is ``mask_from_mod(lambda b, h, q, kv: q >= kv, (1, 1, T, T))``.
-
-    Raises:
-        TypeError: ``mask_mod`` not callable or not returning a boolean tensor.
-        ValueError: ``shape`` not four non-negative integers with ``T_q <= T_k``.
-    """
-    if not callable(mask_mod):
-        raise TypeError(f"mask_mod must be callable (b, h, q_idx, kv_idx) -> bool; got {mask_mod!r}")
-    if len(shape) != 4:
-        raise ValueError(f"shape must be (B, n_heads, T_q, T_k); got {shape!r}")
-    for name, s in zip(("B", "n_heads", "T_q", "T_k"), shape):
-        _check_length(name, s)
-    if shape[2] > shape[3]:
-        raise ValueError(f"T_q={shape[2]} > T_k={shape[3]} in shape {shape!r}")
-    out = mask_mod(*_indices(torch.Size(shape), torch.device(device or "cpu")))
-    if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
-        raise TypeError(f"mask_mod must return a boolean tensor; got {getattr(out, 'dtype', type(out).__name__)}")
-    return out.expand(shape)
-
-
-def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``softmax`` over the last dim with masked entries (``mask`` False) exactly 0 and empty rows all 0.
-
-    A row whose every key is masked has nothing to attend to: ``softmax`` of all ``-inf``
-    would be NaN; here it is zeros (and so is its gradient). Chapter 03.
-
-    Args:
-        scores: float ``(..., T_q, T_k)``.
-        mask: optional bool broadcastable to ``scores``, ``True`` = keep.
-    """
-    if mask is None:
-        return torch.softmax(scores, dim=-1)
-    logits = scores.masked_fill(~mask, float("-inf"))
-    empty = ~mask.any(dim=-1, keepdim=True)  # (..., T_q, 1): rows with nothing to attend to
-    if not empty.any():
-        return torch.softmax(logits, dim=-1)
-    # softmax(all -inf) would be NaN: give empty rows finite logits (any value), then zero every masked
-    # weight, so that neither the forward nor the backward pass meets a NaN.
-    return torch.softmax(logits.masked_fill(empty, 0.0), dim=-1).masked_fill(~mask, 0.0)
-
-
-def combined_mask(mask: torch.Tensor | None, is_causal: bool, T_q: int, T_k: int, device) -> torch.Tensor | None:
-    """The caller's bool ``mask`` ``&`` the bottom-right causal mask when ``is_causal``; ``None`` if neither."""
-    if not is_causal:
-        return mask
-    causal = ~_future(T_q, T_k, torch.device(device))
-    return causal if mask is None else mask & causal
-
-
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -311,12 +193,12 @@ def attention(
     if group > 1:
         scores = scores.view(B, H, T_q, T_k)  # back to one row block per query head (a view)
     if score_mod is not None:
-        scores = score_mod(scores, *_indices(scores.shape, scores.device))
+        scores = score_mod(scores, *score_indices(scores.shape, scores.device))
     full = combined_mask(mask, is_causal, T_q, T_k, scores.device)
     if full is None:
         weights = torch.softmax(scores, dim=-1)
     elif mask is None:  # causal only: no row is empty; fill the fresh scores in place
-        future = _future(T_q, T_k, scores.device)
+        future = future_mask(T_q, T_k, scores.device)
         # In place on the fresh product (matmul's backward does not need it); a score_mod's output may be saved.
         scores = scores.masked_fill_(future, float("-inf")) if score_mod is None else scores.masked_fill(future, float("-inf"))
         weights = torch.softmax(scores, dim=-1)

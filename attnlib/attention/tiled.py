@@ -21,7 +21,8 @@ import math
 import torch
 
 from attnlib._checks import positive_int
-from attnlib.functional import ScoreMod, _indices, check_attention_inputs
+from attnlib.functional import ScoreMod, check_attention_inputs
+from attnlib.masks import score_indices
 
 __all__ = ["online_softmax", "online_softmax_update", "tiled_attention"]
 
@@ -151,7 +152,7 @@ def tiled_attention(
             q_pos = torch.arange(offset + q0, offset + q1, device=q.device)[:, None]
             k_pos = torch.arange(k0, k1, device=q.device)[None, :]
             if score_mod is not None:
-                b, h, _, _ = _indices(torch.Size((*shape[:-2], 1, 1)), q.device)
+                b, h, _, _ = score_indices(torch.Size((*shape[:-2], 1, 1)), q.device)
                 s = score_mod(s.reshape(*shape[:-2], q1 - q0, k1 - k0), b, h, q_pos, k_pos).reshape(s.shape)
             if is_causal and k1 - 1 > offset + q0:  # the tile crosses the diagonal: mask what lies after it
                 s = s.masked_fill(k_pos > q_pos, float("-inf"))
