@@ -15,11 +15,10 @@ single-process step on the whole batch (gloo on CPU, NCCL on GPUs).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -28,9 +27,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from attnlib._checks import positive_int
+from attnlib._checks import eval_mode, positive_int
 from attnlib._device import device as default_device
 from attnlib.data import get_batch
+from attnlib.history import History
 
 __all__ = [
     "History",
@@ -81,49 +81,6 @@ class TrainConfig:
             raise ValueError(f"grad_clip={self.grad_clip} must be > 0 (or None for no clipping)")
 
 
-@dataclass
-class History:
-    """What a training run measured: losses at each evaluation, time and throughput.
-
-    Attributes:
-        steps: the step of each evaluation.
-        train_loss, val_loss: mean cross-entropy (nats per token) at those steps.
-        step_loss: the training loss of every optimizer step (the whole batch's mean,
-            across processes when distributed).
-        elapsed_s: wall-clock seconds of the whole run, evaluations included.
-        tokens_per_s: training tokens processed per second (evaluations excluded).
-    """
-
-    steps: list[int] = field(default_factory=list)
-    train_loss: list[float] = field(default_factory=list)
-    val_loss: list[float] = field(default_factory=list)
-    step_loss: list[float] = field(default_factory=list)
-    elapsed_s: float = 0.0
-    tokens_per_s: float = 0.0
-
-    def plot(self, ax=None, label: str | None = None):
-        """Loss curves on a matplotlib Axes (made if not given); returns the Axes."""
-        import matplotlib.pyplot as plt
-
-        if ax is None:
-            _, ax = plt.subplots(figsize=(6, 3.5))
-        prefix = f"{label}: " if label else ""
-        ax.plot(self.steps, self.train_loss, label=f"{prefix}train")
-        ax.plot(self.steps, self.val_loss, label=f"{prefix}val", linestyle="--")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats/token)")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        return ax
-
-    def to_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=1))
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> History:
-        return cls(**json.loads(Path(path).read_text()))
-
-
 @torch.no_grad()
 def estimate_loss(
     model: nn.Module,
@@ -143,17 +100,15 @@ def estimate_loss(
         ``{split name: mean loss}``.
     """
     positive_int("eval_iters", eval_iters)
-    was_training = model.training
-    model.eval()
     out = {}
-    for name, data in splits.items():
-        generator = torch.Generator().manual_seed(seed)
-        losses = torch.empty(eval_iters)
-        for i in range(eval_iters):
-            x, y = get_batch(data, batch_size, block_size, generator, device)
-            losses[i] = model(x, y)[1].item()
-        out[name] = losses.mean().item()
-    model.train(was_training)
+    with eval_mode(model):  # the modes come back even if a batch raises
+        for name, data in splits.items():
+            generator = torch.Generator().manual_seed(seed)
+            losses = torch.empty(eval_iters)
+            for i in range(eval_iters):
+                x, y = get_batch(data, batch_size, block_size, generator, device)
+                losses[i] = model(x, y)[1].item()
+            out[name] = losses.mean().item()
     return out
 
 

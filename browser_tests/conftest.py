@@ -37,7 +37,7 @@ def chromium_path() -> str:
     """``$CHROMIUM``, else ``chromium`` / ``chromium-browser`` on PATH."""
     found = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
     if not found:
-        raise RuntimeError("Chromium not found: `make browser` installs Debian's chromium, or set CHROMIUM=/path/to/it")
+        raise RuntimeError("Chromium not found: `make chromium` installs Debian's chromium, or set CHROMIUM=/path/to/it")
     return found
 
 
