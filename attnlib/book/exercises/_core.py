@@ -20,6 +20,7 @@ verdicts from that file, never from the text a notebook printed.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import json
 import os
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Verdict", "Wrong", "NotSolved", "EXERCISES", "exercise", "grade", "expect", "expect_close", "CORRECT", "NOT_SOLVED",
+__all__ = ["Verdict", "Wrong", "NotSolved", "EXERCISES", "exercise", "grade", "expect", "expect_close", "CORRECT", "NOT_SOLVED", "CHAPTERS", "load_all",
            "WRONG", "CHECKER_ERROR", "VERDICTS_ENV"]
 
 CORRECT, NOT_SOLVED, WRONG, CHECKER_ERROR = "correct", "not solved yet", "wrong", "checker error"
@@ -40,6 +41,22 @@ VERDICTS_ENV = "ATTNLIB_EXERCISE_VERDICTS"
 
 #: exercise id (``"03.1"``) -> grader; filled by the ``@exercise`` decorator in each chapter module.
 EXERCISES: dict[str, Callable[[Any], None]] = {}
+#: The chapter modules with checks; each is imported on first use (``grade("03.1", ...)`` imports ``ch03``).
+CHAPTERS = tuple(f"ch{n:02d}" for n in range(1, 16))
+
+
+def _load_chapter(exercise_id: str) -> None:
+    """Import the module whose checks register ``exercise_id`` (``"03.1"`` -> ``ch03``), if there is one."""
+    module = f"ch{exercise_id.split('.')[0]}"
+    if module in CHAPTERS:
+        importlib.import_module(f"attnlib.book.exercises.{module}")
+
+
+def load_all() -> dict[str, Callable[[Any], None]]:
+    """Import every chapter's checks and return :data:`EXERCISES` (all of them registered)."""
+    for module in CHAPTERS:
+        importlib.import_module(f"attnlib.book.exercises.{module}")
+    return EXERCISES
 
 
 class Wrong(Exception):
@@ -128,8 +145,10 @@ def grade(exercise_id: str, answer: Any) -> Verdict:
     Raises:
         KeyError: no exercise ``exercise_id``.
     """
+    if isinstance(exercise_id, str) and exercise_id not in EXERCISES:
+        _load_chapter(exercise_id)
     if exercise_id not in EXERCISES:
-        raise KeyError(f"no exercise {exercise_id!r}; known: {sorted(EXERCISES)}")
+        raise KeyError(f"no exercise {exercise_id!r}; known: {sorted(load_all())}")
     if answer is None:
         return _record(Verdict(exercise_id, NOT_SOLVED, "the answer is still None"))
     try:
