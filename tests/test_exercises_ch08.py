@@ -6,8 +6,8 @@ import torch
 
 from attnlib import GPT, GPTConfig
 from attnlib.attention import ATTENTION_REGISTRY
-from attnlib.cache import KVCache
 from attnlib.book.exercises import CORRECT, WRONG, grade
+from attnlib.cache import KVCache
 
 
 # ---------------------------------------------------------------- 08.1
@@ -137,25 +137,31 @@ def cached_attention_appends_in_place(q, k_cache, v_cache):
 
 
 # ---------------------------------------------------------------- 08.3
-def kv_cache_bytes(config, batch_size, context, dtype):
+def kv_cache_bytes(config, batch_size, context, dtype):  # the sizes as given; None = the config's default
+    n_kv_heads = config.n_heads if config.n_kv_heads is None else config.n_kv_heads
     per_layer = {
         "mha": 2 * config.n_heads * config.head_dim,
         "talking_heads": 2 * config.n_heads * config.head_dim,
-        "gqa": 2 * config.n_kv_heads * config.head_dim,
+        "gqa": 2 * n_kv_heads * config.head_dim,
         "mqa": 2 * config.head_dim,
-        "mla": config.kv_latent_dim,
+        "mla": config.d_model // 4 if config.kv_latent_dim is None else config.kv_latent_dim,
     }[config.attention]
     return per_layer * config.n_layers * batch_size * context * dtype.itemsize
 
 
-def kv_cache_bytes_n_kv_everywhere(config, batch_size, context, dtype):
+def kv_cache_bytes_n_heads_everywhere(config, batch_size, context, dtype):  # kv heads = n_heads for every variant
+    per_layer = config.latent_dim if config.attention == "mla" else 2 * config.n_heads * config.head_dim
+    return per_layer * config.n_layers * batch_size * context * dtype.itemsize
+
+
+def kv_cache_bytes_given_sizes(config, batch_size, context, dtype):  # n_kv_heads is None when not given
     per_layer = config.kv_latent_dim if config.attention == "mla" else 2 * config.n_kv_heads * config.head_dim
     return per_layer * config.n_layers * batch_size * context * dtype.itemsize
 
 
-def kv_cache_bytes_mqa_from_config(config, batch_size, context, dtype):
+def kv_cache_bytes_mqa_all_heads(config, batch_size, context, dtype):
     if config.attention == "mqa":
-        return 2 * config.n_kv_heads * config.head_dim * config.n_layers * batch_size * context * dtype.itemsize
+        return 2 * config.n_heads * config.head_dim * config.n_layers * batch_size * context * dtype.itemsize
     return kv_cache_bytes(config, batch_size, context, dtype)
 
 
@@ -208,8 +214,9 @@ def test_reference_answer_is_correct(exercise_id, answer):
         ("08.2", cached_attention_tiled, "repeat_interleave"),
         ("08.2", cached_attention_unscaled, "sqrt(head_dim)"),
         ("08.2", cached_attention_appends_in_place, "changed q, k_cache or v_cache"),
-        ("08.3", kv_cache_bytes_n_kv_everywhere, "n_kv_heads only matters for 'gqa'"),
-        ("08.3", kv_cache_bytes_mqa_from_config, "one key/value head"),
+        ("08.3", kv_cache_bytes_n_heads_everywhere, "GQA caches n_kv_heads key/value heads, not n_heads"),
+        ("08.3", kv_cache_bytes_given_sizes, "config.kv_heads and config.latent_dim"),
+        ("08.3", kv_cache_bytes_mqa_all_heads, "one key/value head"),
         ("08.3", kv_cache_bytes_float32_always, "bytes per number"),
         ("08.3", kv_cache_bytes_no_batch, "batch_size"),
         ("08.3", kv_cache_bytes_reserved, "block_size"),
@@ -225,12 +232,13 @@ def test_plausible_mistake_is_wrong(exercise_id, answer, hint):
 
 def test_reference_answers_agree_with_the_library():
     """The references are what attnlib's cache does, not a second opinion."""
-    config = GPTConfig(vocab_size=11, block_size=8, n_layers=2, n_heads=4, n_kv_heads=2, d_model=16, kv_latent_dim=6)
+    config = GPTConfig(vocab_size=11, block_size=8, n_layers=2, n_heads=4, n_kv_heads=2, d_model=16, attention="gqa")
     tokens = torch.randint(0, 11, (3, 5), generator=torch.Generator().manual_seed(0))
     for name in ATTENTION_REGISTRY:
         # 08.3: the formula equals the bytes measured on a KVCache after a prefill of 5 tokens
         torch.manual_seed(0)
-        model = GPT(GPTConfig(**{**config.__dict__, "attention": name})).eval()
+        sized = {"gqa": dict(n_kv_heads=2), "mla": dict(kv_latent_dim=6)}.get(name, {})
+        model = GPT(config.replace(**{"attention": name, "n_kv_heads": None, **sized})).eval()
         cache = KVCache.for_model(model)
         with torch.no_grad():
             model(tokens, cache=cache)
@@ -240,7 +248,7 @@ def test_reference_answers_agree_with_the_library():
     x = torch.randn(2, 6, config.d_model)
     with torch.no_grad():
         q, k, v = layer.project(x)
-        full, _ = layer.attend(q, k, v, None, False)
+        full, _ = layer.attend(q, k, v, None, True, False)
         torch.testing.assert_close(cached_attention(q[:, :, -2:], k, v), full[:, :, -2:])
     # 08.1: the reference behaves like LayerCache inside a model layer
     mini = MiniCache(8)

@@ -172,7 +172,8 @@ def _last_rows(q_full, k, v, T_new, scale=None, mask="causal", kv="interleave"):
         "top_left": torch.ones(T_new, T_k, dtype=torch.bool).tril(),
         "none": None,
     }
-    return attention(q, k, v, mask=masks[mask], scale=scale)[0]
+    mask = masks[mask]
+    return attention(q, k, v, mask=None if mask is None else mask[None, None], scale=scale)[0]  # (T_new, T_k) -> 4-D
 
 
 @exercise("08.2")
@@ -229,32 +230,50 @@ def check_cached_attention(cached_attention) -> None:
 
 
 # ---------------------------------------------------------------- 08.3
+_GPT2 = dict(vocab_size=50257, block_size=1024, n_layers=12, n_heads=12, d_model=768)
 _BYTES_CONFIGS = [
-    GPTConfig(),  # the book's small model, multi-head
-    GPTConfig(n_kv_heads=2),  # still multi-head: n_kv_heads is not used
+    GPTConfig(),  # the book's small model, multi-head (n_kv_heads None: not given)
+    GPTConfig(attention="gqa"),  # GQA without n_kv_heads: one kv head per query head
     GPTConfig(n_kv_heads=2, attention="gqa"),
-    GPTConfig(n_kv_heads=2, attention="mqa"),  # MQA has one key/value head whatever n_kv_heads says
+    GPTConfig(attention="mqa"),  # one key/value head (n_kv_heads None)
     GPTConfig(n_layers=3, kv_latent_dim=24, attention="mla"),
     GPTConfig(n_layers=2, attention="talking_heads"),
-    GPTConfig(vocab_size=50257, block_size=1024, n_layers=12, n_heads=12, d_model=768, n_kv_heads=4),  # GPT-2 small
-    GPTConfig(vocab_size=50257, block_size=1024, n_layers=12, n_heads=12, d_model=768, n_kv_heads=4, attention="gqa"),
-    GPTConfig(vocab_size=50257, block_size=1024, n_layers=12, n_heads=12, d_model=768, attention="mqa"),
-    GPTConfig(vocab_size=50257, block_size=1024, n_layers=12, n_heads=12, d_model=768, attention="mla"),
+    GPTConfig(**_GPT2),  # GPT-2 small
+    GPTConfig(**_GPT2, n_kv_heads=4, attention="gqa"),
+    GPTConfig(**_GPT2, attention="mqa"),
+    GPTConfig(**_GPT2, attention="mla"),  # kv_latent_dim None: the default d_model // 4
 ]
 _BYTES_CALLS = [(1, 1, torch.float32), (3, 7, torch.bfloat16), (64, None, torch.float16), (2, 5, torch.float64)]
 
 
-def _per_token_per_layer(config: GPTConfig, attention_name: str | None = None) -> int:
-    return ATTENTION_REGISTRY[attention_name or config.attention].kv_cache_size(config)
+def _per_token_per_layer(config: GPTConfig) -> int:
+    """Numbers one token leaves in one layer's cache: the layer's own ``cache_width`` (built on the meta device)."""
+    with torch.device("meta"):
+        return ATTENTION_REGISTRY[config.attention](config).cache_width
 
 
 @exercise("08.3")
 def check_kv_cache_bytes(kv_cache_bytes) -> None:
-    """Check ``kv_cache_bytes(config, batch_size, context, dtype) -> int`` against each variant's ``kv_cache_size``."""
+    """Check ``kv_cache_bytes(config, batch_size, context, dtype) -> int`` against each layer's ``cache_width``."""
     for config in _BYTES_CONFIGS:
+        per_layer = _per_token_per_layer(config)
         for batch_size, context, dtype in _BYTES_CALLS:
             context = config.block_size if context is None else context
-            got = kv_cache_bytes(config, batch_size, context, dtype)
+            case = (
+                f"kv_cache_bytes(attention={config.attention!r}, n_layers={config.n_layers}, n_heads={config.n_heads}, "
+                f"n_kv_heads={config.n_kv_heads}, head_dim={config.head_dim}, kv_latent_dim={config.kv_latent_dim}; "
+                f"batch_size={batch_size}, context={context}, {dtype})"
+            )
+            try:
+                got = kv_cache_bytes(config, batch_size, context, dtype)
+            except TypeError as e:  # arithmetic on a size left None
+                if "NoneType" in str(e) and None in (config.n_kv_heads, config.kv_latent_dim):
+                    expect(
+                        False,
+                        f"{case}: your code raised TypeError: {e}. GPTConfig keeps n_kv_heads and kv_latent_dim as "
+                        "given, None when not given; the values the layers use are config.kv_heads and config.latent_dim",
+                    )
+                raise
             if got is None:
                 raise NotSolved("return the number of bytes as an int, not None")
             expect(
@@ -262,16 +281,11 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
                 f"return a Python int; got {type(got).__name__} (use int(...) if you computed a float or a tensor)",
             )
             size = torch.empty((), dtype=dtype).element_size()
-            per_layer = _per_token_per_layer(config)
             tokens = batch_size * context
             expected = per_layer * config.n_layers * tokens * size
             if got == expected:
                 continue
-            case = (
-                f"kv_cache_bytes(attention={config.attention!r}, n_layers={config.n_layers}, n_heads={config.n_heads}, "
-                f"n_kv_heads={config.n_kv_heads}, head_dim={config.head_dim}, kv_latent_dim={config.kv_latent_dim}; "
-                f"batch_size={batch_size}, context={context}, {dtype}) = {got:,}, expected {expected:,}"
-            )
+            case = f"{case} = {got:,}, expected {expected:,}"
             name = config.attention
             mistakes = [
                 (per_layer * tokens * size, "multiply by n_layers: every layer has its own cache"),
@@ -282,21 +296,18 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
                 (per_layer * config.n_layers * batch_size * config.block_size * size,
                  "count the context tokens, not the block_size positions that KVCache reserves up front"),
             ]
-            if name in ("mha", "talking_heads"):
-                mistakes.append((2 * config.n_kv_heads * config.head_dim * config.n_layers * tokens * size,
-                                 f"{name!r} caches a key and a value for every head; config.n_kv_heads only matters for 'gqa'"))
             if name == "mqa":
-                mistakes.append((2 * config.n_kv_heads * config.head_dim * config.n_layers * tokens * size,
-                                 "MQA has one key/value head, whatever config.n_kv_heads says"))
+                mistakes.append((2 * config.n_heads * config.head_dim * config.n_layers * tokens * size,
+                                 "MQA has one key/value head (config.kv_heads is 1), not n_heads"))
             if name == "gqa":
                 mistakes.append((2 * config.n_heads * config.head_dim * config.n_layers * tokens * size,
                                  "GQA caches n_kv_heads key/value heads, not n_heads"))
             if name == "mla":
                 mistakes += [
-                    (2 * config.kv_latent_dim * config.n_layers * tokens * size,
+                    (2 * config.latent_dim * config.n_layers * tokens * size,
                      "MLA caches the latent once: keys and values are both decoded from it"),
                     (2 * config.n_heads * config.head_dim * config.n_layers * tokens * size,
-                     "MLA caches only the latent, kv_latent_dim numbers per token and layer"),
+                     "MLA caches only the latent, config.latent_dim numbers per token and layer"),
                 ]
             if name in ("mha", "talking_heads", "gqa", "mqa"):
                 mistakes.append((per_layer // 2 * config.n_layers * tokens * size, "keys AND values are cached: a factor 2"))
@@ -304,5 +315,5 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
                 expect(value == expected or got != value, f"{case}: {hint}")
             raise Wrong(
                 f"{case}. Numbers per token per layer: 'mha' and 'talking_heads' 2*n_heads*head_dim, 'gqa' "
-                "2*n_kv_heads*head_dim, 'mqa' 2*head_dim, 'mla' kv_latent_dim"
+                "2*kv_heads*head_dim, 'mqa' 2*head_dim, 'mla' latent_dim"
             )
