@@ -245,7 +245,7 @@ def sdpa_attention(
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, **kwargs), None
     full = combined_mask(mask, is_causal, T_q, T_k, q.device)
     empty = ~full.any(dim=-1, keepdim=True)  # rows with nothing to attend to (only a caller's mask makes them)
-    if mask is not None and empty.any():
+    if mask is not None and (empty.device.type == "meta" or empty.any()):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=full | empty, **kwargs)  # no all-masked row
         return out.masked_fill(empty, 0.0), None
     return F.scaled_dot_product_attention(q, k, v, attn_mask=full, **kwargs), None

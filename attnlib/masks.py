@@ -141,7 +141,7 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None = None) -> to
         return torch.softmax(scores, dim=-1)
     logits = scores.masked_fill(~mask, float("-inf"))
     empty = ~mask.any(dim=-1, keepdim=True)  # (..., T_q, 1): rows with nothing to attend to
-    if not empty.any():
+    if empty.device.type != "meta" and not empty.any():  # the short path needs the data (meta has none)
         return torch.softmax(logits, dim=-1)
     # softmax(all -inf) would be NaN: give empty rows finite logits (any value), then zero every masked
     # weight, so that neither the forward nor the backward pass meets a NaN.
