@@ -16,8 +16,8 @@ import torch
 
 from attnlib.book.exercises._core import Wrong, exercise, expect
 from attnlib.config import GPTConfig
-from attnlib.generate import top_k_filter, top_p_filter
 from attnlib.model import GPT
+from attnlib.sampling import top_k_filter, top_p_filter
 
 __all__ = ["check_gpt_param_count", "check_top_k_by_hand", "check_top_p_by_hand"]
 
@@ -124,7 +124,7 @@ def _kept(logits: torch.Tensor) -> torch.Tensor:
 
 @exercise("12.2")
 def check_top_k_by_hand(fn) -> None:
-    """Check top-k filtering against ``attnlib.generate.top_k_filter``."""
+    """Check top-k filtering against ``attnlib.sampling.top_k_filter``."""
     g = torch.Generator().manual_seed(12)
     cases = []
     for logits in _random_logits(g):
@@ -157,7 +157,7 @@ def check_top_k_by_hand(fn) -> None:
 
 @exercise("12.3")
 def check_top_p_by_hand(fn) -> None:
-    """Check nucleus (top-p) filtering against ``attnlib.generate.top_p_filter``."""
+    """Check nucleus (top-p) filtering against ``attnlib.sampling.top_p_filter``."""
     g = torch.Generator().manual_seed(13)
     cases = []
     for logits in _random_logits(g):
