@@ -110,7 +110,7 @@ def test_char_tokenizer_round_trip_and_errors():
     assert tok.encode("") == [] and tok.decode([]) == ""
     with pytest.raises(ValueError, match="character 'z' is not in the vocabulary"):
         tok.encode("zoo")
-    with pytest.raises(ValueError, match=r"id 8 is outside the vocabulary \[0, 8\)"):
+    with pytest.raises(ValueError, match=r"token id 8, outside the vocabulary \[0, 8\)"):
         tok.decode([1, 8])
     with pytest.raises(ValueError, match="empty text"):
         CharTokenizer("")
