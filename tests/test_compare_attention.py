@@ -29,6 +29,20 @@ def test_build_model_and_leaks(variant):
     assert future_moves_past(model) == (variant in ca.LEAKY_VARIANTS)
 
 
+@pytest.mark.parametrize("variant", sorted(ca.LEAKY_VARIANTS))
+def test_a_leaky_model_starts_from_its_base_models_weights(variant):
+    torch.manual_seed(0)
+    base = ca.build_model(ca.LEAKY_BASE[variant])
+    torch.manual_seed(0)
+    leaky = ca.build_model(variant)
+    base_state, leaky_state = base.state_dict(), leaky.state_dict()
+    assert set(leaky_state) - set(base_state) == (
+        {f"blocks.{i}.attn.mix_weights_bias" for i in range(len(leaky.blocks))} if variant == "talking_heads_biased" else set()
+    )
+    for name, tensor in base_state.items():
+        assert torch.equal(leaky_state[name], tensor), name
+
+
 def test_unknown_variant():
     with pytest.raises(ValueError, match="variant='flash'"):
         ca.build_model("flash")

@@ -85,15 +85,20 @@ def variant_config(variant: str, model: dict | None = None) -> GPTConfig:
 def build_model(variant: str, model: dict | None = None) -> GPT:
     """A GPT whose attention is ``variant`` (a registry name or a key of :data:`LEAKY_VARIANTS`).
 
-    A leaky model is its base variant's GPT (same initial weights outside attention) whose
-    blocks then get the leaky attention layer, with that layer's own initial weights.
+    A leaky model is its base variant's GPT whose blocks then get the leaky attention layer,
+    starting from exactly the base layer's weights (the GPT-2 initialisation); only what the
+    leaky layer adds (the biased talking heads' post-softmax bias) keeps its own value.
     """
     config = variant_config(variant, model)
     gpt = GPT(config)
     if variant in LEAKY_VARIANTS:
         for block in gpt.blocks:
-            block.attn = LEAKY_VARIANTS[variant](config.d_model, config.n_heads, block_size=config.block_size,
-                                                 dropout=config.dropout, bias=config.bias)
+            leaky = LEAKY_VARIANTS[variant](config.d_model, config.n_heads, block_size=config.block_size,
+                                            dropout=config.dropout, bias=config.bias)
+            missing, unexpected = leaky.load_state_dict(block.attn.state_dict(), strict=False)
+            if unexpected or set(missing) - {"mix_weights_bias"}:  # the one parameter the base lacks
+                raise RuntimeError(f"{variant}: cannot start from {LEAKY_BASE[variant]}'s weights ({missing}, {unexpected})")
+            block.attn = leaky
     return gpt
 
 
