@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Verdict", "Wrong", "NotSolved", "EXERCISES", "exercise", "grade", "expect", "expect_close", "CORRECT", "NOT_SOLVED", "CHAPTERS", "load_all",
+__all__ = ["Verdict", "Wrong", "NotSolved", "EXERCISES", "exercise", "grade", "expect", "expect_close", "CORRECT", "NOT_SOLVED", "CHAPTERS", "load_all", "call_for_int",
            "WRONG", "CHECKER_ERROR", "VERDICTS_ENV"]
 
 CORRECT, NOT_SOLVED, WRONG, CHECKER_ERROR = "correct", "not solved yet", "wrong", "checker error"
@@ -212,3 +212,29 @@ def expect_close(actual: Any, expected: torch.Tensor, what: str, atol: float = 1
         torch.allclose(actual.detach().double(), expected.detach().double(), atol=atol, rtol=rtol),
         f"{what} differs from the expected values (max abs difference {diff:.3g})",
     )
+
+
+def call_for_int(fn: Callable[..., Any], args: tuple, case: str, config: Any) -> int:
+    """``fn(*args)`` for a learner's byte count: a Python int, or a hint that names the mistake.
+
+    A ``TypeError`` on ``None`` arithmetic means the answer read ``config.n_kv_heads`` /
+    ``config.kv_latent_dim`` (kept as given, ``None`` when not given) instead of the values the
+    layers use, ``config.kv_heads`` / ``config.latent_dim``.
+    """
+    try:
+        got = fn(*args)
+    except TypeError as e:
+        if "NoneType" in str(e) and None in (config.n_kv_heads, config.kv_latent_dim):
+            expect(
+                False,
+                f"{case}: your code raised TypeError: {e}. GPTConfig keeps n_kv_heads and kv_latent_dim as "
+                "given, None when not given; the values the layers use are config.kv_heads and config.latent_dim",
+            )
+        raise
+    if got is None:
+        raise NotSolved("return the number of bytes as an int, not None")
+    expect(
+        isinstance(got, int) and not isinstance(got, bool),
+        f"return a Python int; got {type(got).__name__} (use int(...) if you computed a float or a tensor)",
+    )
+    return got

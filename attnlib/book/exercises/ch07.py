@@ -17,7 +17,7 @@ import math
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect, expect_close
+from attnlib.book.exercises._core import NotSolved, Wrong, call_for_int, exercise, expect, expect_close
 from attnlib.config import GPTConfig
 
 __all__ = ["check_absorbed_scores", "check_fold_output", "check_kv_cache_bytes"]
@@ -209,22 +209,7 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
                 f"n_kv_heads={config.n_kv_heads}, head_dim={config.head_dim}, kv_latent_dim={config.kv_latent_dim}; "
                 f"seq_len={seq_len}, rope_dim={rope_dim}, dtype_bytes={dtype_bytes})"
             )
-            try:
-                got = kv_cache_bytes(config, seq_len, rope_dim, dtype_bytes)
-            except TypeError as e:  # arithmetic on a size left None
-                if "NoneType" in str(e) and None in (config.n_kv_heads, config.kv_latent_dim):
-                    expect(
-                        False,
-                        f"{case}: your code raised TypeError: {e}. GPTConfig keeps n_kv_heads and kv_latent_dim as "
-                        "given, None when not given; the values the layers use are config.kv_heads and config.latent_dim",
-                    )
-                raise
-            if got is None:
-                raise NotSolved("return the number of bytes as an int, not None")
-            expect(
-                isinstance(got, int) and not isinstance(got, bool),
-                f"return a Python int; got {type(got).__name__} (use int(...) if you computed a float or a tensor)",
-            )
+            got = call_for_int(kv_cache_bytes, (config, seq_len, rope_dim, dtype_bytes), case, config)
             per_token = table1 + (rope_dim if variant == "mla" else 0)
             scale = config.n_layers * seq_len * dtype_bytes
             expected = per_token * scale

@@ -18,7 +18,7 @@ import math
 import torch
 
 from attnlib.attention import ATTENTION_REGISTRY
-from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect, expect_close
+from attnlib.book.exercises._core import NotSolved, Wrong, call_for_int, exercise, expect, expect_close
 from attnlib.cache import LayerCache
 from attnlib.config import GPTConfig
 from attnlib.functional import attention, causal_mask
@@ -264,22 +264,7 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
                 f"n_kv_heads={config.n_kv_heads}, head_dim={config.head_dim}, kv_latent_dim={config.kv_latent_dim}; "
                 f"batch_size={batch_size}, context={context}, {dtype})"
             )
-            try:
-                got = kv_cache_bytes(config, batch_size, context, dtype)
-            except TypeError as e:  # arithmetic on a size left None
-                if "NoneType" in str(e) and None in (config.n_kv_heads, config.kv_latent_dim):
-                    expect(
-                        False,
-                        f"{case}: your code raised TypeError: {e}. GPTConfig keeps n_kv_heads and kv_latent_dim as "
-                        "given, None when not given; the values the layers use are config.kv_heads and config.latent_dim",
-                    )
-                raise
-            if got is None:
-                raise NotSolved("return the number of bytes as an int, not None")
-            expect(
-                isinstance(got, int) and not isinstance(got, bool),
-                f"return a Python int; got {type(got).__name__} (use int(...) if you computed a float or a tensor)",
-            )
+            got = call_for_int(kv_cache_bytes, (config, batch_size, context, dtype), case, config)
             size = torch.empty((), dtype=dtype).element_size()
             tokens = batch_size * context
             expected = per_layer * config.n_layers * tokens * size
