@@ -3,7 +3,7 @@
 Chapter 15. Causal attention of ``q, k, v`` of shape ``(B, n_heads, T, head_dim)``,
 under ``torch.no_grad``:
 
-* ``naive``: :func:`attnlib.functional.attention` with :func:`attnlib.functional.causal_mask`:
+* ``naive``: :func:`attnlib.functional.attention` with ``is_causal=True``:
   materialises the ``(B, n_heads, T, T)`` scores (and weights);
 * ``sdpa``: ``F.scaled_dot_product_attention(..., is_causal=True)``;
 * ``tiled``: :func:`attnlib.attention.tiled.tiled_attention`.

@@ -2,8 +2,8 @@
 
 * ``compare_attention.json``: chapter 13's full run of
   ``python -m attnlib.book.experiments.compare_attention`` (every variant, 5000 steps).
-* ``bench_mha.json``, ``bench_kv_cache.json``, ``bench_memory.json``: chapter 15's full-size
-  runs of ``python -m attnlib.bench <name> --json FILE``.
+* ``bench_mha.json``, ``bench_kv_cache.json``, ``bench_memory.json``, ``bench_train.json``: chapter
+  15's full-size runs of ``python -m attnlib.bench <name> --out FILE``.
 
 Each file records the command, the machine and the commit that produced it. They are read
 with :mod:`importlib.resources`, never from a path computed from ``__file__``, so they are
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 __all__ = ["NAMES", "load", "path"]
 
 #: The committed results files, by name (the file name without ``.json``).
-NAMES = ("compare_attention", "bench_mha", "bench_kv_cache", "bench_memory")
+NAMES = ("compare_attention", "bench_mha", "bench_kv_cache", "bench_memory", "bench_train")
 
 
 def path(name: str) -> Traversable:
