@@ -173,3 +173,10 @@ def test_registry_builds_each_variant_with_the_configs_sizes():
     assert build_attention(registry_config("gqa")).n_kv_heads == 2
     assert build_attention(registry_config("mha")).n_kv_heads == 4
     assert build_attention(registry_config("mla")).kv_latent_dim == 4
+
+
+def test_the_registry_names_exactly_the_configs_variants():
+    from attnlib.attention import ATTENTION_REGISTRY
+    from attnlib.config import ATTENTION_VARIANTS
+
+    assert tuple(ATTENTION_REGISTRY) == ATTENTION_VARIANTS  # one list of names: GPTConfig checks against it

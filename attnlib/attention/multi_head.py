@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from attnlib._checks import divisible, positive_int, probability
-from attnlib.attention.functions import ATTENTION_FUNCTIONS
+from attnlib.attention.functions import ATTENTION_FUNCTIONS, get_attention_function
 from attnlib.cache import LayerCache
 
 __all__ = ["KV_SHARING", "MultiHeadAttention"]
@@ -81,8 +81,7 @@ class MultiHeadAttention(nn.Module):
         for name, value in (("bias", bias), ("causal", causal)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool; got {value!r}")
-        if not isinstance(attn_fn, str) or attn_fn not in ATTENTION_FUNCTIONS:
-            raise ValueError(f"attn_fn={attn_fn!r} is not one of {sorted(ATTENTION_FUNCTIONS)}")
+        get_attention_function(attn_fn)  # an unknown name fails here, naming the known ones
         if not isinstance(kv_sharing, str) or kv_sharing not in KV_SHARING:
             raise ValueError(f"kv_sharing={kv_sharing!r} is not one of {KV_SHARING}")
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
