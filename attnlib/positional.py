@@ -17,8 +17,10 @@ import torch
 from torch import nn
 
 from attnlib._checks import float_input, positive_int
+from attnlib.rope import rope_frequencies
 
-__all__ = ["LearnedPositionalEmbedding", "RotaryEmbedding", "SinusoidalPositionalEncoding", "sinusoidal_encoding"]
+__all__ = ["LearnedPositionalEmbedding", "RotaryEmbedding", "SinusoidalPositionalEncoding", "rope_frequencies",
+           "sinusoidal_encoding"]
 
 
 def _even(name: str, value: int) -> None:
@@ -128,15 +130,22 @@ class RotaryEmbedding(nn.Module):
     Args:
         head_dim: size of one head (even).
         base: the wavelength scale (10000 as in the paper and LLaMA).
+        rope_scaling: None, or a scaling for contexts longer than training in ``transformers``' format
+            (``linear``, ``dynamic``, ``llama3``, ``yarn``): see :func:`attnlib.rope.rope_frequencies`.
+            YaRN's attention factor multiplies cos and sin, as in ``transformers``.
+        max_position_embeddings: the context the model serves (``dynamic`` needs it: its base grows
+            with the largest position rotated once that passes this length).
 
     Raises:
-        TypeError / ValueError: ``head_dim`` not a positive even int; ``base`` not a number, not finite, or ``<= 1``.
+        TypeError / ValueError: ``head_dim`` not a positive even int; ``base`` not a number, not finite, or ``<= 1``;
+            a ``rope_scaling`` that :func:`~attnlib.rope.rope_frequencies` refuses.
 
     (The rotation is :meth:`rotate`, not ``apply``: ``apply`` is ``nn.Module.apply(fn)``, which
     ``model.apply(init_fn)`` calls on every submodule.)
     """
 
-    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+    def __init__(self, head_dim: int, base: float = 10000.0, rope_scaling: dict | None = None,
+                 max_position_embeddings: int | None = None) -> None:
         super().__init__()
         _even("head_dim", head_dim)
         if not isinstance(base, (int, float)) or isinstance(base, bool):
@@ -144,12 +153,20 @@ class RotaryEmbedding(nn.Module):
         if not math.isfinite(base) or base <= 1:
             raise ValueError(f"base={base!r} must be a finite number > 1")
         self.head_dim, self.base = head_dim, float(base)
-        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (head_dim/2,)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope_scaling = None if rope_scaling is None else dict(rope_scaling)
+        self.max_position_embeddings = max_position_embeddings
+        inv_freq, self.attention_factor = rope_frequencies(head_dim, base, rope_scaling, max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (head_dim/2,)
 
     def angles(self, positions: torch.Tensor) -> torch.Tensor:
         """Rotation angles ``(…, T, head_dim / 2)`` for integer or float ``positions`` of shape ``(…, T)``."""
-        return positions.to(torch.float32)[..., None] * self.inv_freq  # (..., T, 1) * (hd/2,) -> (..., T, hd/2)
+        inv_freq = self.inv_freq
+        kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type"))
+        if kind == "dynamic" and positions.numel():  # the base grows with the longest sequence seen in this call
+            seq_len = int(positions.max()) + 1
+            inv_freq = rope_frequencies(self.head_dim, self.base, self.rope_scaling, self.max_position_embeddings,
+                                        seq_len=seq_len)[0].to(inv_freq.device)
+        return positions.to(torch.float32)[..., None] * inv_freq  # (..., T, 1) * (hd/2,) -> (..., T, hd/2)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate ``x`` by its positions.
@@ -172,7 +189,8 @@ class RotaryEmbedding(nn.Module):
         if not isinstance(positions, torch.Tensor) or positions.shape[-1] != T:
             raise ValueError(f"positions must be a tensor whose last dimension is T={T}")
         angle = self.angles(positions.to(x.device))  # (..., T, hd/2)
-        cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+        cos = (angle.cos() * self.attention_factor).to(x.dtype)  # attention_factor: 1 except for YaRN
+        sin = (angle.sin() * self.attention_factor).to(x.dtype)
         half = self.head_dim // 2
         x1, x2 = x[..., :half], x[..., half:]  # half-split pairs (x1[i], x2[i])
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)  # rotate each pair by its angle
