@@ -147,3 +147,48 @@ def test_command_line_writes_its_default_path_under_the_current_directory(tmp_pa
     assert json.loads((tmp_path / "results" / "compare_attention.json").read_text())["meta"]["command"].endswith(
         "--max-iters 1")
     assert str(ca.DEFAULT_OUT) == "results/compare_attention.json"
+
+
+# ------------------------------------------------------------------ several seeds: one entry per variant per seed
+
+def test_seeds_give_one_entry_per_variant_per_seed():
+    import os
+
+    if not os.environ.get("ATTNLIB_DATA_DIR"):
+        pytest.skip("ATTNLIB_DATA_DIR is not set")
+    short = {"max_iters": 2, "eval_interval": 2, "eval_iters": 1}
+    seen = []
+    results = ca.compare(("mha", "talking_heads_biased"), short, device="cpu", progress=False, seeds=(3, 4),
+                         on_run=lambda r: seen.append(sum(len(v["by_seed"]) for v in r["variants"].values())))
+    assert results["seeds"] == [3, 4] and results["training"]["seed"] == 3
+    assert seen == [1, 2, 3]  # mha@3, leaky@3, mha@4: the leaky model trains with the first seed only
+    mha = results["variants"]["mha"]
+    assert sorted(mha["by_seed"]) == ["3", "4"]
+    assert mha["final_val_loss"] == mha["by_seed"]["3"]["final_val_loss"]  # the top level is the first seed
+    assert mha["by_seed"]["3"]["val_loss"] != mha["by_seed"]["4"]["val_loss"]  # another seed, another run
+    summary = ca.seed_summary(results)
+    losses = [r["final_val_loss"] for r in mha["by_seed"].values()]
+    assert summary["mha"]["n"] == 2 and summary["mha"]["min"] == min(losses) and summary["mha"]["max"] == max(losses)
+    assert summary["mha"]["mean"] == pytest.approx(sum(losses) / 2)
+    assert summary["mha"]["std"] == pytest.approx(abs(losses[0] - losses[1]) / 2**0.5)
+    assert summary["talking_heads_biased"]["n"] == 1 and summary["talking_heads_biased"]["std"] == 0.0
+
+
+def test_seed_summary_of_a_file_without_by_seed():
+    old = {"variants": {"mha": {"final_val_loss": 1.5}}}
+    assert ca.seed_summary(old) == {"mha": {"n": 1, "mean": 1.5, "min": 1.5, "max": 1.5, "std": 0.0}}
+
+
+@pytest.mark.parametrize("seeds", [(), (1, 1), (-1,)])
+def test_bad_seeds_are_refused_before_training(seeds):
+    with pytest.raises(ValueError, match=r"seeds=.* must be distinct integers >= 0"):
+        ca.compare(("mha",), seeds=seeds, progress=False)
+
+
+def test_command_line_refuses_repeated_or_negative_seeds(capsys, no_training):
+    for argv, message in ((["--seeds", "1", "1"], "argument --seeds: [1, 1] repeats a seed"),
+                          (["--seeds", "-2"], "argument --seeds: -2 is negative")):
+        with pytest.raises(SystemExit) as exit_info:
+            ca.main(argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err.splitlines()[-1]

@@ -1,8 +1,9 @@
 """Source 000's experiment, done right: every attention variant trained the same way on Tiny Shakespeare.
 
-Chapter 13. The full run (about 15 minutes on a 2-core CPU)::
+Chapter 13. The full run (about 45 minutes on one CPU thread)::
 
-    python -m attnlib.book.experiments.compare_attention --include-leaky --eval-iters 50
+    python -m attnlib.book.experiments.compare_attention --include-leaky --eval-iters 50 \
+        --seeds 1337 1338 1339
 
 writes ``results/compare_attention.json`` under the current directory (``--out FILE`` to
 choose; every flag, the output path included, is checked before training starts). The
@@ -11,7 +12,10 @@ committed run the chapter reads ships inside the package (:mod:`attnlib.book.res
 
 Every variant gets the same configuration (the source's: d_model 64, 4 heads,
 n_kv_heads 2, 4 layers, block 32, batch 16, lr 1e-3, 5000 steps, evaluation every 100
-steps on 200 batches), the same initial seed and the same data order. Two *leaky*
+steps on 200 batches), the same initial seed and the same data order. ``--seeds`` repeats
+every variant with other seeds (initial weights, batch order and evaluation batches all
+follow the seed), because one seed cannot rank variants whose losses differ by less than
+the seed-to-seed spread; the leaky models run with the first seed only. Two *leaky*
 models can be added (``--include-leaky``) to show what a model that sees the future
 reports: talking heads with a bias after the softmax (the source's layer) and
 multi-head attention without its causal mask.
@@ -25,7 +29,8 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -39,7 +44,8 @@ from attnlib.data import load_char_corpus
 from attnlib.model import GPT
 from attnlib.train import TrainConfig, train
 
-__all__ = ["MODEL", "TRAINING", "VARIANTS", "LEAKY_VARIANTS", "DEFAULT_OUT", "compare", "load_results", "main"]
+__all__ = ["MODEL", "TRAINING", "VARIANTS", "LEAKY_VARIANTS", "DEFAULT_OUT", "compare", "load_results", "main",
+           "seed_summary"]
 
 #: The source notebook's model and training settings.
 MODEL = dict(vocab_size=65, block_size=32, n_layers=4, n_heads=4, n_kv_heads=2, d_model=64, kv_latent_dim=16)
@@ -137,6 +143,8 @@ def compare(
     model: dict | None = None,
     device: str | None = None,
     progress: bool = True,
+    seeds: tuple[int, ...] | None = None,
+    on_run: Callable[[dict], None] | None = None,
 ) -> dict:
     """Train each variant with the same seed and data order; return the results as a dict.
 
@@ -146,42 +154,78 @@ def compare(
         model: overrides of :data:`MODEL`.
         device: ``None`` = :func:`attnlib.device`.
         progress: show a progress bar per variant.
+        seeds: the seeds to train every causal variant with (``None`` = ``(training seed,)``);
+            leaky variants train with the first seed only. The runs go seed by seed (all
+            variants with the first seed, then the second, ...).
+        on_run: called with the results so far after each run (the command line writes
+            the file then, so a long run that stops early keeps what it finished).
 
     Returns:
-        ``{"meta", "model", "training", "variants": {name: {...}}}``; each variant has its
-        loss curves (``steps, train_loss, val_loss``), ``final_train_loss``,
-        ``final_val_loss``, ``parameters``, ``tokens_per_s`` (training only),
-        ``elapsed_s``, ``kv_cache_bytes_per_token`` (all layers, fp32) and ``causal``.
+        ``{"meta", "model", "training", "seeds", "variants": {name: {...}}}``; each variant
+        has its first seed's loss curves (``steps, train_loss, val_loss``),
+        ``final_train_loss``, ``final_val_loss``, ``tokens_per_s`` (training only) and
+        ``elapsed_s``, then ``parameters``, ``kv_cache_bytes_per_token`` (all layers, fp32),
+        ``causal``, and ``by_seed``: one entry per seed (its key the seed as a string) with
+        that seed's curves, final losses, ``tokens_per_s`` and ``elapsed_s``.
 
     Raises:
-        ValueError: an unknown variant or settings a variant's config refuses (before any training).
+        ValueError: an unknown variant, settings a variant's config refuses, or repeated
+            or negative seeds (before any training).
     """
     settings = {**MODEL, **(model or {})}
     for variant in variants:
         variant_config(variant, model)  # every variant's settings are checked before the first one trains
     train_cfg = TrainConfig(**{**TRAINING, **(training or {})}, device=device)
+    seeds = (train_cfg.seed,) if seeds is None else tuple(seeds)
+    if not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
+        raise ValueError(f"seeds={seeds} must be distinct integers >= 0 (at least one)")
+    train_cfg = replace(train_cfg, seed=seeds[0])
     corpus = load_char_corpus()
     if corpus.vocab_size != settings["vocab_size"]:
         raise ValueError(f"vocab_size={settings['vocab_size']} but the corpus has {corpus.vocab_size} characters")
-    results = {"meta": _machine(), "model": settings, "training": asdict(train_cfg), "variants": {}}
+    results = {"meta": _machine(), "model": settings, "training": asdict(train_cfg),
+               "seeds": list(seeds), "variants": {}}
     results["meta"]["device"] = str(train_cfg.device or attnlib.device())
-    for variant in variants:
-        torch.manual_seed(train_cfg.seed)  # same seed: identical initial weights where all shapes agree (mha, talking heads)
-        gpt = build_model(variant, model)
-        if progress:
-            print(f"{variant}: {gpt.num_parameters():,} parameters", file=sys.stderr)
-        history = train(gpt, corpus.train, corpus.val, train_cfg, progress=progress)
-        curves = asdict(history)
-        del curves["step_loss"]  # 5000 numbers per variant; the evaluated curves are what the chapter plots
-        results["variants"][variant] = {
-            **curves,
-            "final_train_loss": history.train_loss[-1],
-            "final_val_loss": history.val_loss[-1],
-            "parameters": gpt.num_parameters(),
-            "kv_cache_bytes_per_token": gpt.kv_cache_bytes_per_token(torch.float32),
-            "causal": variant in ATTENTION_REGISTRY,
-        }
+    for seed in seeds:
+        for variant in variants:
+            if variant in LEAKY_VARIANTS and seed != seeds[0]:
+                continue  # a leak shows with one seed; the seeds are for ranking causal variants
+            cfg = replace(train_cfg, seed=seed)
+            torch.manual_seed(seed)  # same seed: identical initial weights where all shapes agree (mha, talking heads)
+            gpt = build_model(variant, model)
+            if progress:
+                print(f"{variant} (seed {seed}): {gpt.num_parameters():,} parameters", file=sys.stderr)
+            history = train(gpt, corpus.train, corpus.val, cfg, progress=progress)
+            curves = asdict(history)
+            del curves["step_loss"]  # 5000 numbers per variant; the evaluated curves are what the chapter plots
+            run = {**curves, "final_train_loss": history.train_loss[-1], "final_val_loss": history.val_loss[-1]}
+            if seed == seeds[0]:
+                results["variants"][variant] = {
+                    **run,
+                    "parameters": gpt.num_parameters(),
+                    "kv_cache_bytes_per_token": gpt.kv_cache_bytes_per_token(torch.float32),
+                    "causal": variant in ATTENTION_REGISTRY,
+                    "by_seed": {},
+                }
+            results["variants"][variant]["by_seed"][str(seed)] = run
+            if on_run is not None:
+                on_run(results)
     return results
+
+
+def seed_summary(results: dict) -> dict[str, dict[str, float]]:
+    """Final validation loss per variant over its seeds: ``{name: {n, mean, min, max, std}}``.
+
+    ``std`` is the sample standard deviation (0.0 for one seed). A file written before
+    ``by_seed`` existed counts as one seed (its ``final_val_loss``).
+    """
+    summary = {}
+    for name, run in results["variants"].items():
+        losses = [r["final_val_loss"] for r in run.get("by_seed", {"": run}).values()]
+        mean = sum(losses) / len(losses)
+        var = sum((x - mean) ** 2 for x in losses) / (len(losses) - 1) if len(losses) > 1 else 0.0
+        summary[name] = {"n": len(losses), "mean": mean, "min": min(losses), "max": max(losses), "std": var**0.5}
+    return summary
 
 
 def load_results(path: str | Path | None = None) -> dict:
@@ -233,20 +277,32 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-iters", type=_cli.positive_int, default=TRAINING["max_iters"])
     p.add_argument("--eval-interval", type=_cli.positive_int, default=TRAINING["eval_interval"])
     p.add_argument("--eval-iters", type=_cli.positive_int, default=TRAINING["eval_iters"])
+    p.add_argument("--seeds", type=_cli.nonnegative_int, nargs="+", default=None,
+                   help=f"train every causal variant with each seed (default: {TRAINING['seed']})")
     p.add_argument("--device", type=_cli.device, default=None, help="default: attnlib.device()")
     p.add_argument("--out", type=_cli.output_file, default=DEFAULT_OUT,
                    help=f"where to write the results (JSON); default: {DEFAULT_OUT} under the current directory")
     args = p.parse_args(argv)
+    if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
+        p.error(f"argument --seeds: {args.seeds} repeats a seed")
     variants = args.variants + (tuple(LEAKY_VARIANTS) if args.include_leaky else ())
     training = {"max_iters": args.max_iters, "eval_interval": args.eval_interval, "eval_iters": args.eval_iters}
-    results = compare(variants, training, device=args.device)
-    results["meta"]["command"] = "python -m attnlib.book.experiments.compare_attention " + " ".join(
+    command = "python -m attnlib.book.experiments.compare_attention " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
+    started = time.perf_counter()
+
+    def write(results: dict, complete: bool = False) -> None:
+        results["meta"].update(command=command, complete=complete,
+                               wall_s=round(time.perf_counter() - started, 1))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+    seeds = None if args.seeds is None else tuple(args.seeds)
+    results = compare(variants, training, device=args.device, seeds=seeds, on_run=write)
     results["meta"]["load_average_1min_at_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+    write(results, complete=True)
     print(format_table(results))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {args.out}")
     return results
 
