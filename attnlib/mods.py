@@ -1,0 +1,119 @@
+"""Attention variants as score and mask modifications (FlexAttention's two hooks). Chapter 17.
+
+Each function returns a callable for the attention core (:mod:`attnlib.functional`):
+
+* a ``mask_mod(b, h, q_idx, kv_idx) -> bool`` decides *whether* a query sees a key
+  (:func:`sliding_window`, :func:`causal`; build a mask with :func:`attnlib.masks.mask_from_mod`);
+* a ``score_mod(score, b, h, q_idx, kv_idx) -> score`` changes *how much* it sees, before the
+  softmax (:func:`alibi`, :func:`softcap`); pass it as ``attention(..., score_mod=...)``.
+
+The index arguments are broadcastable integer tensors, as in
+``torch.nn.attention.flex_attention`` (whose functions take scalars under ``vmap``): the same
+function serves both. Query indices count from ``T_k - T_q`` (a cached decode's queries are
+the newest positions).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["alibi", "alibi_slopes", "causal", "sliding_window", "softcap"]
+
+MaskMod = Callable[..., torch.Tensor]
+ScoreMod = Callable[..., torch.Tensor]
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def causal(b, h, q_idx, kv_idx) -> torch.Tensor:
+    """The causal mask: query ``i`` sees keys ``j <= i``."""
+    return q_idx >= kv_idx
+
+
+def sliding_window(window: int) -> MaskMod:
+    """Causal attention to the last ``window`` positions (Mistral; Gemma's local layers).
+
+    Query ``i`` sees key ``j`` iff ``i - window < j <= i``: itself and the ``window - 1`` keys
+    before it (Mistral's ``sliding_window``; Beltagy et al. 2020's local attention, causal).
+    A window ``>= T`` is the plain causal mask.
+
+    Raises:
+        ValueError: ``window`` not an int >= 1.
+    """
+    _positive_int("window", window)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+
+    mask_mod.window = window
+    return mask_mod
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """ALiBi's per-head slopes (Press et al. 2022, §3): ``2^(-8/n), 2^(-16/n), …`` for ``n`` heads.
+
+    For a head count that is not a power of two, the slopes of the nearest lower power of two
+    followed by every other slope of the next power of two (the paper's reference code).
+
+    Returns:
+        float32 ``(n_heads,)``, positive and decreasing from head 0.
+
+    Raises:
+        ValueError: ``n_heads`` not an int >= 1.
+    """
+    _positive_int("n_heads", n_heads)
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    lower = 2 ** math.floor(math.log2(n_heads))
+    slopes = power_of_two(lower)
+    if lower < n_heads:
+        slopes += power_of_two(2 * lower)[0::2][: n_heads - lower]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi(n_heads: int) -> ScoreMod:
+    """ALiBi as a score modification: ``score - m_h · (i - j)`` (Press et al. 2022, §3).
+
+    Each head ``h`` penalises a key linearly in its distance from the query, with slope
+    ``m_h`` from :func:`alibi_slopes`; no position embedding is added to the tokens. Use it with
+    a causal mask (keys after the query would get a bonus).
+
+    Raises:
+        ValueError: ``n_heads`` not an int >= 1; at call time, scores whose head dimension is
+            not ``n_heads``.
+    """
+    slopes = alibi_slopes(n_heads)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if score.dim() >= 3 and score.shape[-3] != n_heads:
+            raise ValueError(f"alibi({n_heads}) got scores with {score.shape[-3]} heads (shape {tuple(score.shape)})")
+        m = slopes.to(score.device, score.dtype)[h] if torch.is_tensor(h) else slopes[h]
+        return score - m * (q_idx - kv_idx)
+
+    return score_mod
+
+
+def softcap(cap: float) -> ScoreMod:
+    """Logit soft-capping: ``cap · tanh(score / cap)`` (Gemma 2, Gemma Team 2024, §2: cap 50 for attention).
+
+    Scores stay within ``(-cap, cap)``; small ones barely change (``tanh(x) ≈ x``).
+
+    Raises:
+        ValueError: ``cap`` not a finite number > 0.
+    """
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
+        raise ValueError(f"cap must be a finite number > 0, got {cap!r}")
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    return score_mod

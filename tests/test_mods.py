@@ -1,0 +1,81 @@
+"""Score and mask modifications (attnlib.mods) against independent references."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+
+from attnlib.functional import attention
+from attnlib.masks import mask_from_mod
+from attnlib.mods import alibi, alibi_slopes, causal, sliding_window, softcap
+
+
+@pytest.mark.parametrize(("T", "window"), [(7, 1), (7, 3), (9, 4), (5, 5), (5, 50)])
+def test_sliding_window_mask(T, window):
+    mask = mask_from_mod(sliding_window(window), (1, 1, T, T))[0, 0]
+    expected = torch.tensor([[i - window < j <= i for j in range(T)] for i in range(T)])
+    assert torch.equal(mask, expected)
+    assert int(mask.sum(-1).max()) == min(window, T)
+
+
+def test_window_at_least_T_is_causal():
+    T = 6
+    assert torch.equal(mask_from_mod(sliding_window(T), (1, 1, T, T)), mask_from_mod(causal, (1, 1, T, T)))
+
+
+def test_window_for_a_cached_decode_counts_from_the_end():
+    # One new query at absolute position 9 over 10 keys, window 4: keys 6..9.
+    mask = mask_from_mod(sliding_window(4), (1, 1, 1, 10))[0, 0, 0]
+    assert mask.nonzero().flatten().tolist() == [6, 7, 8, 9]
+
+
+@pytest.mark.parametrize("n_heads", [1, 2, 4, 6, 8, 12, 16, 20, 32])
+def test_alibi_slopes_equal_bloom(n_heads):
+    torch.testing.assert_close(alibi_slopes(n_heads), _get_alibi_slopes(n_heads, "cpu").float())
+
+
+def test_alibi_slopes_of_the_paper():
+    # Press et al. 2022, §3: for 8 heads the slopes are 1/2, 1/4, ..., 1/256.
+    torch.testing.assert_close(alibi_slopes(8), torch.tensor([2.0 ** -(i + 1) for i in range(8)]))
+
+
+def test_alibi_attention_equals_sdpa_with_the_bias():
+    g = torch.Generator().manual_seed(0)
+    B, H, T, d = 2, 4, 6, 8
+    q, k, v = (torch.randn(B, H, T, d, generator=g) for _ in range(3))
+    out, _ = attention(q, k, v, is_causal=True, score_mod=alibi(H))
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    bias = -alibi_slopes(H)[:, None, None] * (i - j)  # (H, T, T)
+    bias = bias.masked_fill(j > i, float("-inf"))
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=bias), atol=1e-6, rtol=1e-5)
+
+
+def test_softcap_bounds_scores_and_matches_the_formula():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 5, 4, generator=g) * 10 for _ in range(3))
+    out, weights = attention(q, k, v, score_mod=softcap(3.0))
+    scores = q @ k.transpose(-2, -1) / 2.0
+    expected = torch.softmax(3.0 * torch.tanh(scores / 3.0), dim=-1)
+    torch.testing.assert_close(weights, expected)
+    small = torch.tensor([0.01, -0.02])
+    torch.testing.assert_close(softcap(50.0)(small, 0, 0, 0, 0), small, atol=1e-8, rtol=1e-6)
+    assert softcap(5.0)(torch.tensor([1e6, -1e6]), 0, 0, 0, 0).abs().max() <= 5.0
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: sliding_window(0), "window must be an int >= 1, got 0"),
+        (lambda: sliding_window(2.5), "window must be an int >= 1, got 2.5"),
+        (lambda: alibi_slopes(0), "n_heads must be an int >= 1, got 0"),
+        (lambda: alibi(True), "n_heads must be an int >= 1, got True"),
+        (lambda: softcap(0.0), "cap must be a finite number > 0, got 0.0"),
+        (lambda: softcap(float("inf")), "cap must be a finite number > 0, got inf"),
+        (lambda: attention(*(torch.randn(1, 3, 4, 2) for _ in range(3)), score_mod=alibi(4)),
+         r"alibi\(4\) got scores with 3 heads"),
+    ],
+)
+def test_bad_inputs(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
