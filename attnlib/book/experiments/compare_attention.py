@@ -5,6 +5,11 @@ Chapter 13. The full run (about 45 minutes on one CPU thread)::
     python -m attnlib.book.experiments.compare_attention --include-leaky --eval-iters 50 \
         --seeds 1337 1338 1339
 
+The committed file was made in two steps: the first seed with the leaky models
+(``--include-leaky --eval-iters 50``), then more seeds of the causal variants added with
+``--seeds 1338 1339 --eval-iters 50 --eval-interval 250 --merge-with FILE``; its ``meta``
+records both commands.
+
 writes ``results/compare_attention.json`` under the current directory (``--out FILE`` to
 choose; every flag, the output path included, is checked before training starts). The
 committed run the chapter reads ships inside the package (:mod:`attnlib.book.results`);
@@ -45,7 +50,7 @@ from attnlib.model import GPT
 from attnlib.train import TrainConfig, train
 
 __all__ = ["MODEL", "TRAINING", "VARIANTS", "LEAKY_VARIANTS", "DEFAULT_OUT", "compare", "load_results", "main",
-           "seed_summary"]
+           "merge_seeds", "seed_summary"]
 
 #: The source notebook's model and training settings.
 MODEL = dict(vocab_size=65, block_size=32, n_layers=4, n_heads=4, n_kv_heads=2, d_model=64, kv_latent_dim=16)
@@ -228,6 +233,51 @@ def seed_summary(results: dict) -> dict[str, dict[str, float]]:
     return summary
 
 
+_SEED_FREE = ("seed", "eval_interval", "device")  # training settings that may differ between merged runs
+
+
+def merge_seeds(first: dict, more: dict) -> dict:
+    """``first`` with the runs of ``more`` (other seeds, same settings) added to its ``by_seed`` entries.
+
+    Used to add seeds to a finished run without training its first seed again
+    (``--merge-with``). The model settings and the training settings other than the
+    seed, the evaluation interval and the device must agree, and so must each variant's
+    parameter count; a variant of ``more`` must be in ``first``. A file written before
+    ``by_seed`` existed counts as one run with its training seed. ``first``'s top-level
+    entries (its own seed's curves) are kept; ``meta["merged"]`` lists ``more``'s meta.
+
+    Raises:
+        ValueError: settings that differ, a variant ``first`` lacks, or a seed both have.
+    """
+    shared = sorted(set(first["model"]) & set(more["model"]) | set(MODEL))  # older files store more keys
+    a, b = ({k: r["model"].get(k) for k in shared} for r in (first, more))
+    if a != b:
+        raise ValueError(f"model settings differ: {a} vs {b}")
+    a, b = ({k: v for k, v in r["training"].items() if k not in _SEED_FREE} for r in (first, more))
+    if a != b:
+        raise ValueError(f"training settings differ beyond {_SEED_FREE}: {a} vs {b}")
+    merged = json.loads(json.dumps(first))  # a deep copy
+    seed0 = str(first["training"]["seed"])
+    for run in merged["variants"].values():
+        if "by_seed" not in run:
+            keep = ("steps", "train_loss", "val_loss", "tokens_per_s", "elapsed_s", "final_train_loss",
+                    "final_val_loss")
+            run["by_seed"] = {seed0: {k: run[k] for k in keep if k in run}}
+    for name, run in more["variants"].items():
+        if name not in merged["variants"]:
+            raise ValueError(f"variant={name!r} is not in the run it should be merged into")
+        if run["parameters"] != merged["variants"][name]["parameters"]:
+            raise ValueError(f"variant={name!r}: {run['parameters']} parameters, but "
+                             f"{merged['variants'][name]['parameters']} in the run it should be merged into")
+        for seed, seed_run in run["by_seed"].items():
+            if seed in merged["variants"][name]["by_seed"]:
+                raise ValueError(f"variant={name!r}: seed {seed} is in both runs")
+            merged["variants"][name]["by_seed"][seed] = seed_run
+    merged["seeds"] = list(dict.fromkeys([*first.get("seeds", [first["training"]["seed"]]), *more["seeds"]]))
+    merged["meta"]["merged"] = [*first["meta"].get("merged", []), more["meta"]]
+    return merged
+
+
 def load_results(path: str | Path | None = None) -> dict:
     """Read a results file written by :func:`main`; ``None`` = the committed full run (:mod:`attnlib.book.results`).
 
@@ -279,12 +329,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eval-iters", type=_cli.positive_int, default=TRAINING["eval_iters"])
     p.add_argument("--seeds", type=_cli.nonnegative_int, nargs="+", default=None,
                    help=f"train every causal variant with each seed (default: {TRAINING['seed']})")
+    p.add_argument("--merge-with", type=Path, default=None, metavar="FILE",
+                   help="add these seeds' runs to an earlier results file (same settings) and write both")
     p.add_argument("--device", type=_cli.device, default=None, help="default: attnlib.device()")
     p.add_argument("--out", type=_cli.output_file, default=DEFAULT_OUT,
                    help=f"where to write the results (JSON); default: {DEFAULT_OUT} under the current directory")
     args = p.parse_args(argv)
     if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
         p.error(f"argument --seeds: {args.seeds} repeats a seed")
+    earlier = None
+    if args.merge_with is not None:
+        if not args.merge_with.is_file():
+            p.error(f"argument --merge-with: no results file at {args.merge_with}")
+        earlier = json.loads(args.merge_with.read_text())
     variants = args.variants + (tuple(LEAKY_VARIANTS) if args.include_leaky else ())
     training = {"max_iters": args.max_iters, "eval_interval": args.eval_interval, "eval_iters": args.eval_iters}
     command = "python -m attnlib.book.experiments.compare_attention " + " ".join(
@@ -292,16 +349,26 @@ def main(argv: list[str] | None = None) -> dict:
     )
     started = time.perf_counter()
 
-    def write(results: dict, complete: bool = False) -> None:
+    def write(results: dict, complete: bool = False) -> dict:
         results["meta"].update(command=command, complete=complete,
                                wall_s=round(time.perf_counter() - started, 1))
+        if earlier is not None:
+            results = merge_seeds(earlier, results)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
+        return results
 
     seeds = None if args.seeds is None else tuple(args.seeds)
+    if earlier is not None:  # settings that cannot be merged are refused before training
+        planned = TrainConfig(**{**TRAINING, **training}, device=args.device)
+        try:
+            merge_seeds(earlier, {"model": dict(MODEL), "training": asdict(planned), "variants": {},
+                                  "seeds": [], "meta": {}})
+        except ValueError as err:
+            p.error(f"argument --merge-with: {err}")
     results = compare(variants, training, device=args.device, seeds=seeds, on_run=write)
     results["meta"]["load_average_1min_at_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
-    write(results, complete=True)
+    results = write(results, complete=True)
     print(format_table(results))
     print(f"wrote {args.out}")
     return results
