@@ -1,7 +1,7 @@
 """Exercise checks for chapter 01, *Attention from averages*.
 
 * 01.1 ``check_decay_average``: a causal average whose weights fall off as
-  ``exp(-lam * (t - s))``, built with a masked softmax.
+  ``exp(-lam * (t - s))``, built with a masked softmax (ALiBi's bias, Press et al. 2022).
 * 01.2 ``check_attend_to_earlier``: parameter-free dot-product attention over the
   strictly earlier tokens (not the token itself); the first token gets zeros.
 * 01.3 ``check_window_average``: the mean of the last ``w`` tokens, from a band mask.
