@@ -89,27 +89,79 @@ def mha_matmul_only(x, w_qkv, b_qkv, w_out, b_out, n_heads):
     return mha(x)
 
 
-# ---------------------------------------------------------------- 04.3
-def mha_param_count(d_model, n_heads, bias):
-    return 4 * d_model * d_model + (4 * d_model if bias else 0)
-
-
-def param_count_source(d_model, n_heads, bias):
-    return 3 * d_model * d_model + d_model * d_model + d_model  # q/k/v without biases, out_proj with
-
-
-def param_count_per_head(d_model, n_heads, bias):
+def mha_einsum_scores_by_matmul(x, w_qkv, b_qkv, w_out, b_out, n_heads):
+    B, T, d_model = x.shape
     head_dim = d_model // n_heads
-    return 3 * d_model * head_dim + d_model * d_model + (4 * d_model if bias else 0)
+    qkv = torch.einsum("btd,shed->sbhte", x, w_qkv.view(3, n_heads, head_dim, d_model))
+    if b_qkv is not None:
+        qkv = qkv + b_qkv.view(3, 1, n_heads, 1, head_dim)
+    q, k, v = qkv
+    scores = q @ k.transpose(-2, -1) / math.sqrt(head_dim)  # a matmul, not einsum
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    y = torch.einsum("bhqk,bhke->bhqe", scores.softmax(dim=-1), v)
+    out = torch.einsum("bhte,dhe->btd", y, w_out.view(d_model, n_heads, head_dim))
+    return out if b_out is None else out + b_out
 
 
-def param_count_float(d_model, n_heads, bias):
-    return float(mha_param_count(d_model, n_heads, bias))
+def mha_einsum_w_out_transposed(x, w_qkv, b_qkv, w_out, b_out, n_heads):
+    return _einsum(x, w_qkv, b_qkv, w_out.T.contiguous(), b_out, n_heads)
+
+
+# ---------------------------------------------------------------- 04.3
+def _heads(mha, x):
+    q, k, v = (mha.split_heads(t, mha.n_heads) for t in mha.qkv(x).split(mha.d_model, dim=-1))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _merge(mha, heads):
+    B, n_heads, T, head_dim = heads.shape
+    return heads.transpose(1, 2).reshape(B, T, n_heads * head_dim)
+
+
+def mha_without_heads(mha, x, keep):
+    heads = _heads(mha, x) * keep[None, :, None, None]  # silence the dropped heads
+    return mha.out_proj(_merge(mha, heads))
+
+
+def without_heads_inverted(mha, x, keep):
+    return mha_without_heads(mha, x, ~keep)
+
+
+def without_heads_output_features(mha, x, keep):
+    return mha(x) * keep.repeat_interleave(mha.head_dim)
+
+
+def without_heads_zero_queries(mha, x, keep):
+    q, k, v = (mha.split_heads(t, mha.n_heads) for t in mha.qkv(x).split(mha.d_model, dim=-1))
+    q = q * keep[None, :, None, None]
+    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return mha.out_proj(_merge(mha, y))
+
+
+def without_heads_no_bias(mha, x, keep):
+    heads = _heads(mha, x) * keep[None, :, None, None]
+    return _merge(mha, heads) @ mha.out_proj.weight.T
+
+
+def without_heads_rescaled(mha, x, keep):
+    scale = mha.n_heads / max(int(keep.sum()), 1)
+    heads = _heads(mha, x) * keep[None, :, None, None] * scale
+    return mha.out_proj(_merge(mha, heads))
+
+
+def without_heads_in_place(mha, x, keep):
+    with torch.no_grad():  # zero W^O's columns that read the dropped heads, in mha itself
+        mha.out_proj.weight.mul_(keep.repeat_interleave(mha.head_dim))
+    return mha(x)
+
+
+def without_heads_all_on(mha, x, keep):
+    return mha(x)
 
 
 @pytest.mark.parametrize(
     "exercise_id, answer",
-    [("04.1", split_into_heads), ("04.2", mha_einsum), ("04.3", mha_param_count)],
+    [("04.1", split_into_heads), ("04.2", mha_einsum), ("04.3", mha_without_heads)],
 )
 def test_reference_answer_is_correct(exercise_id, answer):
     verdict = grade(exercise_id, answer)
@@ -125,9 +177,16 @@ def test_reference_answer_is_correct(exercise_id, answer):
         ("04.2", mha_einsum_d_model_scale, "1/sqrt(head_dim)"),
         ("04.2", mha_einsum_no_mask, "mask"),
         ("04.2", mha_matmul_only, "einsum"),
-        ("04.3", param_count_source, "source"),
-        ("04.3", param_count_per_head, "n_heads"),
-        ("04.3", param_count_float, "Python int"),
+        ("04.2", mha_matmul_only, "attnlib.MultiHeadAttention"),
+        ("04.2", mha_einsum_scores_by_matmul, "not with @"),
+        ("04.2", mha_einsum_w_out_transposed, "your output"),
+        ("04.3", without_heads_inverted, "True means keep"),
+        ("04.3", without_heads_output_features, "zeroed features of the output"),
+        ("04.3", without_heads_zero_queries, "zero queries still attends"),
+        ("04.3", without_heads_no_bias, "bias belongs to no head"),
+        ("04.3", without_heads_rescaled, "do not rescale"),
+        ("04.3", without_heads_in_place, "changed mha's weights"),
+        ("04.3", without_heads_all_on, "every head on"),
     ],
 )
 def test_plausible_mistake_is_wrong(exercise_id, answer, hint):

@@ -3,7 +3,8 @@
 * 04.1 ``check_split_into_heads``: cut a :class:`attnlib.MultiHeadAttention` into a
   :class:`attnlib.MultiHeadAttentionWrapper` of single heads.
 * 04.2 ``check_mha_einsum``: the whole multi-head forward pass written with ``torch.einsum``.
-* 04.3 ``check_mha_param_count``: the parameter count of a :class:`attnlib.MultiHeadAttention`.
+* 04.3 ``check_mha_without_heads``: the output of a :class:`attnlib.MultiHeadAttention` with some
+  heads switched off (head masking, Michel et al. 2019).
 
 Every grader draws its test weights from a local ``torch.Generator``; ``grade`` runs it
 inside ``torch.random.fork_rng``, so checking an answer never moves the notebook's global
@@ -11,16 +12,17 @@ random state.
 """
 from __future__ import annotations
 
-import inspect
+import contextlib
 import math
 
 import torch
+import torch.nn.functional as F
 
 from attnlib.attention import MultiHeadAttention, MultiHeadAttentionWrapper
 from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect, expect_close
 from attnlib.functional import attention
 
-__all__ = ["check_split_into_heads", "check_mha_einsum", "check_mha_param_count"]
+__all__ = ["check_split_into_heads", "check_mha_einsum", "check_mha_without_heads"]
 
 
 def _random_mha(d_model: int, n_heads: int, block_size: int, bias: bool, g: torch.Generator) -> MultiHeadAttention:
@@ -128,6 +130,47 @@ def _mha_weights(mha: MultiHeadAttention):
     )
 
 
+_NOT_EINSUM = "write this product with torch.einsum, not with {name} (the exercise asks for einsum only)"
+
+
+@contextlib.contextmanager
+def _einsum_only():
+    """Count ``torch.einsum`` calls; matmul, linear layers and attention functions raise a hint."""
+    calls = {"einsum": 0}
+    einsum = torch.einsum
+
+    def counting_einsum(*args, **kwargs):
+        calls["einsum"] += 1
+        return einsum(*args, **kwargs)
+
+    def refuse(name):
+        def refused(*args, **kwargs):
+            raise Wrong(_NOT_EINSUM.format(name=name))
+
+        return refused
+
+    patches = [
+        (torch, "einsum", counting_einsum),
+        (torch, "matmul", refuse("torch.matmul")),
+        (torch, "bmm", refuse("torch.bmm")),
+        (torch, "mm", refuse("torch.mm")),
+        (torch.Tensor, "__matmul__", refuse("@")),
+        (torch.Tensor, "matmul", refuse("Tensor.matmul")),
+        (torch.Tensor, "bmm", refuse("Tensor.bmm")),
+        (F, "linear", refuse("F.linear or an nn.Linear")),
+        (F, "scaled_dot_product_attention", refuse("F.scaled_dot_product_attention")),
+        (MultiHeadAttention, "forward", refuse("attnlib.MultiHeadAttention")),
+    ]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    try:
+        for obj, name, new in patches:
+            setattr(obj, name, new)
+        yield calls
+    finally:
+        for obj, name, old in saved:
+            setattr(obj, name, old)
+
+
 @exercise("04.2")
 def check_mha_einsum(mha_einsum) -> None:
     """Check ``mha_einsum(x, w_qkv, b_qkv, w_out, b_out, n_heads)`` against a causal MultiHeadAttention."""
@@ -138,7 +181,9 @@ def check_mha_einsum(mha_einsum) -> None:
         x = torch.randn(3, T, d_model, generator=g)
         case = f"(d_model={d_model}, n_heads={n_heads}, T={T}, bias={bias})"
         with torch.no_grad():
-            got = mha_einsum(x, *weights, n_heads)
+            expected = mha(x)
+            with _einsum_only() as calls:
+                got = mha_einsum(x, *weights, n_heads)
             if got is None:
                 raise NotSolved("return the output tensor of shape (B, T, d_model), not None")
             expect(isinstance(got, torch.Tensor), f"return a torch.Tensor; got {type(got).__name__}")
@@ -146,14 +191,20 @@ def check_mha_einsum(mha_einsum) -> None:
                 tuple(got.shape) == (3, T, d_model),
                 f"{case}: output has shape {tuple(got.shape)}, expected (B, T, d_model) = {(3, T, d_model)}",
             )
-            expected = mha(x)
+            expect(
+                calls["einsum"] >= 4,
+                f"{case}: torch.einsum ran {calls['einsum']} time(s); write the projections, the scores, "
+                "the weighted sum and the output projection with torch.einsum (at least 4 calls)",
+            )
             if torch.allclose(got, expected, atol=1e-5, rtol=1e-4):
                 continue
             # Diagnose the usual mistakes.
             if T > 1:
                 x2 = x.clone()
                 x2[:, -1] = torch.randn(3, d_model, generator=g)
-                moved = (mha_einsum(x2, *weights, n_heads)[:, :-1] - got[:, :-1]).abs().max().item()
+                with _einsum_only():
+                    moved_out = mha_einsum(x2, *weights, n_heads)
+                moved = (moved_out[:, :-1] - got[:, :-1]).abs().max().item()
                 expect(
                     moved < 1e-6,
                     f"{case}: changing the last token moved the outputs at earlier positions (by up to "
@@ -172,11 +223,6 @@ def check_mha_einsum(mha_einsum) -> None:
                 f"{case}: your output (split w_qkv's rows into q, k, v blocks of d_model rows; head h takes "
                 "rows h*head_dim:(h+1)*head_dim of each block)",
             )
-    try:
-        source = inspect.getsource(mha_einsum)
-    except (OSError, TypeError):
-        source = None
-    expect(source is None or "einsum" in source, "the output is right, but write the products with torch.einsum")
 
 
 def _scaled_reference(mha: MultiHeadAttention, x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -187,51 +233,86 @@ def _scaled_reference(mha: MultiHeadAttention, x: torch.Tensor, scale: float) ->
 
 
 # ---------------------------------------------------------------- 04.3
-_COUNT_CASES = [  # (d_model, n_heads, bias)
-    (12, 3, True),
-    (12, 3, False),
-    (12, 4, True),
-    (64, 8, False),
-    (768, 12, True),
-    (768, 12, False),
-    (1024, 16, True),
-    (10, 1, True),
+_PRUNE_CASES = [  # (d_model, n_heads, T, bias, keep)
+    (12, 3, 5, True, (True, False, True)),
+    (16, 4, 6, True, (False, True, True, False)),
+    (16, 4, 6, False, (True, True, False, True)),
+    (12, 3, 4, True, (True, True, True)),
+    (12, 3, 4, True, (False, False, False)),
+    (8, 2, 3, True, (False, True)),
 ]
 
 
-def _count(d_model: int, n_heads: int, bias: bool) -> int:
-    with torch.device("meta"):  # shapes only: no memory, no random numbers
-        mha = MultiHeadAttention(d_model, n_heads, bias=bias)
-    return sum(p.numel() for p in mha.parameters())
+def _without_heads(mha, x, keep, *, zero="input", rescale=False, keep_bias=True):
+    """The reference (``zero="input"``) and the mistakes the check names."""
+    keep = torch.as_tensor(keep, dtype=torch.bool)
+    heads = _head_outputs(mha, x)  # (B, n_heads, T, head_dim)
+    B, n_heads, T, head_dim = heads.shape
+    w, b = mha.out_proj.weight, mha.out_proj.bias
+    if zero == "input":
+        heads = heads * keep[None, :, None, None]
+        if rescale:
+            heads = heads * (n_heads / max(int(keep.sum()), 1))
+    concat = heads.transpose(1, 2).reshape(B, T, n_heads * head_dim)  # (B, T, d_model)
+    out = concat @ w.T + (b if (b is not None and keep_bias) else 0.0)
+    if zero == "output":  # zeroing the head's slice of the output features instead
+        out = out * keep.repeat_interleave(head_dim)
+    return out
+
+
+def _queries_zeroed(mha, x, keep):
+    """Switching a head off by zeroing its queries: it then attends uniformly, it does not go silent."""
+    keep = torch.as_tensor(keep, dtype=torch.bool)
+    q, k, v = (mha.split_heads(t, mha.n_heads) for t in mha.qkv(x).split(mha.d_model, dim=-1))
+    q = q * keep[None, :, None, None]
+    y = attention(q, k, v, is_causal=True)[0]
+    B, _, T, _ = y.shape
+    return mha.out_proj(y.transpose(1, 2).reshape(B, T, mha.d_model))
 
 
 @exercise("04.3")
-def check_mha_param_count(mha_param_count) -> None:
-    """Check ``mha_param_count(d_model, n_heads, bias) -> int`` against ``sum(p.numel())`` of the module."""
-    for d_model, n_heads, bias in _COUNT_CASES:
-        got = mha_param_count(d_model, n_heads, bias)
-        if got is None:
-            raise NotSolved("return the number of parameters as an int, not None")
-        expect(
-            isinstance(got, int) and not isinstance(got, bool),
-            f"return a Python int; got {type(got).__name__} (use int(...) if you computed a tensor or a float)",
-        )
-        expected = _count(d_model, n_heads, bias)
-        case = f"mha_param_count({d_model}, {n_heads}, bias={bias}) = {got:,}"
-        if got == expected:
-            continue
-        d = d_model
-        expect(
-            not (bias and got == 4 * d * d + d),
-            f"{case}: that is the source's count, which leaves out qkv's 3*d_model biases; expected {expected:,}",
-        )
-        expect(not (bias and got == 4 * d * d), f"{case}: you left out the biases (bias=True); expected {expected:,}")
-        expect(not (not bias and got > expected), f"{case}: with bias=False there are no biases at all")
-        one_head = mha_param_count(d_model, 1, bias)
-        expect(
-            one_head == got or one_head != expected,
-            f"{case} but {one_head:,} with n_heads=1: the count does not depend on n_heads; expected {expected:,}",
-        )
-        raise Wrong(
-            f"{case}, expected {expected:,}: qkv is Linear(d_model, 3*d_model), out_proj is Linear(d_model, d_model)"
-        )
+def check_mha_without_heads(mha_without_heads) -> None:
+    """Check ``mha_without_heads(mha, x, keep)``: ``mha(x)`` with the heads where ``keep`` is False silenced."""
+    g = torch.Generator().manual_seed(4043)
+    for d_model, n_heads, T, bias, keep_list in _PRUNE_CASES:
+        mha = _random_mha(d_model, n_heads, 8, bias, g)
+        before = {name: t.clone() for name, t in mha.state_dict().items()}
+        x = torch.randn(2, T, d_model, generator=g)
+        keep = torch.tensor(keep_list)
+        case = f"(n_heads={n_heads}, keep={keep.tolist()}, bias={bias})"
+        with torch.no_grad():
+            expected = _without_heads(mha, x, keep)
+            got = mha_without_heads(mha, x.clone(), keep.clone())
+            if got is None:
+                raise NotSolved("return the output tensor of shape (B, T, d_model), not None")
+            expect(
+                all(torch.equal(t, before[name]) for name, t in mha.state_dict().items()),
+                "your function changed mha's weights: compute the output without writing into mha",
+            )
+            expect(isinstance(got, torch.Tensor), f"return a torch.Tensor; got {type(got).__name__}")
+            expect(
+                tuple(got.shape) == tuple(expected.shape),
+                f"{case}: output has shape {tuple(got.shape)}, expected (B, T, d_model) = {tuple(expected.shape)}",
+            )
+            got = got.detach()
+
+            def same(other, got=got):
+                return torch.allclose(got, other, atol=1e-5, rtol=1e-4)
+
+            if same(expected):
+                continue
+            expect(not same(_without_heads(mha, x, ~keep)),
+                   f"{case}: you switched off the heads where keep is True; True means keep the head")
+            expect(not same(_without_heads(mha, x, keep, zero="output")),
+                   f"{case}: you zeroed features of the output; a head's output is an input of out_proj: "
+                   "zero its slice of the concatenation (before out_proj), so W^O never sees it")
+            expect(not same(_queries_zeroed(mha, x, keep)),
+                   f"{case}: a head with zero queries still attends (uniformly over its past) and still "
+                   "adds its values; zero the head's output, not its queries")
+            expect(not same(_without_heads(mha, x, keep, keep_bias=False)),
+                   f"{case}: out_proj's bias belongs to no head: keep it")
+            expect(not same(_without_heads(mha, x, keep, rescale=True)),
+                   f"{case}: do not rescale the heads that are kept (this is not dropout)")
+            expect(not same(mha(x)), f"{case}: this is mha(x) with every head on; switch off the heads where "
+                                     "keep is False")
+            expect_close(got, expected, f"{case}: your output")
