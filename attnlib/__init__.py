@@ -18,9 +18,17 @@ from attnlib.attention import (
 )
 from attnlib.config import GPTConfig
 from attnlib.gpt2 import from_hf_gpt2
+from attnlib.hf_decoder import from_hf_llama, from_hf_mistral, from_hf_qwen3
+from attnlib.kv_memory import kv_cache_bytes
 from attnlib.model import GPT
+from attnlib.modern import ModernConfig, ModernDecoder
 from attnlib.norms import LayerNorm, RMSNorm
-from attnlib.positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
+from attnlib.positional import (
+    LearnedPositionalEmbedding,
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+    rope_frequencies,
+)
 from attnlib.transformer import DecoderLayer, EncoderLayer, FeedForward, Transformer
 
 __version__ = "1.0.0"
@@ -38,6 +46,8 @@ __all__ = [
     "LearnedPositionalEmbedding",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
+    "ModernConfig",
+    "ModernDecoder",
     "MultiHeadLatentAttention",
     "RMSNorm",
     "RotaryEmbedding",
@@ -50,7 +60,12 @@ __all__ = [
     "data",
     "device",
     "from_hf_gpt2",
+    "from_hf_llama",
+    "from_hf_mistral",
+    "from_hf_qwen3",
     "functional",
     "generate",
+    "kv_cache_bytes",
+    "rope_frequencies",
     "tokenizers",
 ]

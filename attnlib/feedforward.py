@@ -11,7 +11,7 @@ from torch import nn
 
 from attnlib._checks import positive_int, probability
 
-__all__ = ["GELU_APPROXIMATIONS", "FeedForward"]
+__all__ = ["GELU_APPROXIMATIONS", "FeedForward", "SwiGLU"]
 
 GELU_APPROXIMATIONS = ("none", "tanh")
 
@@ -62,3 +62,41 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.proj(self.act(self.fc(x))))  # (..., d_model) -> (..., d_ff) -> (..., d_model)
+
+
+class SwiGLU(nn.Module):
+    """The gated feed-forward block of Llama, Qwen and Mistral: ``down(SiLU(gate(x)) ⊙ up(x))``.
+
+    Shazeer 2020, "GLU Variants Improve Transformer", eq. 6 (FFN_SwiGLU, Swish with β = 1 = SiLU).
+    Three matrices instead of two: a hidden width of ``8/3 · d_model`` keeps the parameter count
+    of a ``4 · d_model`` GELU block. Parameter names ``gate``, ``up``, ``down`` are
+    ``transformers``' ``gate_proj``, ``up_proj``, ``down_proj``.
+
+    Args:
+        d_model: input and output width.
+        d_ff: hidden width.
+        bias: biases on the three linear layers (Llama: none).
+        dropout: dropout on the output (training only), in [0, 1).
+
+    Shapes:
+        ``(..., d_model)`` → ``(..., d_model)``.
+
+    Raises:
+        TypeError / ValueError: a size that is not a positive int, ``dropout`` outside [0, 1), a non-bool ``bias``.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, bias: bool = False, dropout: float = 0.0) -> None:
+        super().__init__()
+        positive_int("d_model", d_model)
+        positive_int("d_ff", d_ff)
+        probability("dropout", dropout)
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be a bool; got {bias!r}")
+        self.gate = nn.Linear(d_model, d_ff, bias=bias)
+        self.up = nn.Linear(d_model, d_ff, bias=bias)
+        self.down = nn.Linear(d_ff, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = nn.functional.silu(self.gate(x)) * self.up(x)  # (..., d_ff): the gate decides what passes
+        return self.dropout(self.down(hidden))  # (..., d_ff) -> (..., d_model)

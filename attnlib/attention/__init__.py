@@ -9,6 +9,7 @@ from attnlib.attention.functions import ATTENTION_FUNCTIONS, get_attention_funct
 from attnlib.attention.latent import MultiHeadLatentAttention
 from attnlib.attention.multi_head import KV_SHARING, MultiHeadAttention
 from attnlib.attention.registry import ATTENTION_REGISTRY, build_attention
+from attnlib.attention.rotary import RotaryAttention
 from attnlib.attention.talking_heads import BiasedTalkingHeadsAttention, TalkingHeadsAttention
 from attnlib.attention.target import TargetAttention
 from attnlib.attention.teaching import CausalAttention, MultiHeadAttentionWrapper, SelfAttentionV1, SelfAttentionV2
@@ -23,6 +24,7 @@ __all__ = [
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
     "MultiHeadLatentAttention",
+    "RotaryAttention",
     "SelfAttentionV1",
     "SelfAttentionV2",
     "TalkingHeadsAttention",

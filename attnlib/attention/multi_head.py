@@ -31,7 +31,7 @@ class MultiHeadAttention(nn.Module):
     """Multi-head attention with ``n_kv_heads`` key/value heads, optionally over a ``context``.
 
     Args:
-        d_model: width of the input and output; ``head_dim = d_model // n_heads``.
+        d_model: width of the input and output.
         n_heads: query heads.
         n_kv_heads: key/value heads, dividing ``n_heads`` (default ``n_heads``: MHA; 1: MQA).
         block_size: the longest sequence (cached positions included) accepted; ``None``: no limit.
@@ -40,11 +40,13 @@ class MultiHeadAttention(nn.Module):
         causal: query ``t`` sees only keys ``<= t`` (self-attention only).
         attn_fn: ``"sdpa"`` (fast), ``"eager"`` (readable, what the book derives) or ``"tiled"``.
         kv_sharing: one of :data:`KV_SHARING`.
+        head_dim: width of each head; default ``d_model // n_heads`` (then ``n_heads`` must divide
+            ``d_model``). Qwen3 sets it apart: 16 heads of 128 in a model of width 1024.
 
     Attributes:
         qkv: ``nn.Linear(d_model, (n_heads + 2 · n_kv_heads) · head_dim)``; rows ``[W_q; W_k; W_v]``
             (with ``n_kv_heads == n_heads``, ``nn.MultiheadAttention.in_proj_weight``'s layout).
-        out_proj: ``nn.Linear(d_model, d_model)``.
+        out_proj: ``nn.Linear(n_heads · head_dim, d_model)``.
         cache_width: numbers a KV cache keeps per token for this layer, ``2 · n_kv_heads · head_dim``.
 
     Raises:
@@ -68,12 +70,16 @@ class MultiHeadAttention(nn.Module):
         causal: bool = True,
         attn_fn: str = "sdpa",
         kv_sharing: str = "fold",
+        head_dim: int | None = None,
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         for name, value in (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
             positive_int(name, value)
-        divisible("d_model", d_model, "n_heads", n_heads)
+        if head_dim is None:
+            divisible("d_model", d_model, "n_heads", n_heads)
+        else:
+            positive_int("head_dim", head_dim)
         divisible("n_heads", n_heads, "n_kv_heads", n_kv_heads)
         if block_size is not None:
             positive_int("block_size", block_size)
@@ -85,12 +91,12 @@ class MultiHeadAttention(nn.Module):
         if not isinstance(kv_sharing, str) or kv_sharing not in KV_SHARING:
             raise ValueError(f"kv_sharing={kv_sharing!r} is not one of {KV_SHARING}")
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
-        self.head_dim = d_model // n_heads
+        self.head_dim = d_model // n_heads if head_dim is None else head_dim
         self.block_size, self.dropout, self.causal = block_size, dropout, causal
         self.attn_fn, self.kv_sharing = attn_fn, kv_sharing
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.build_projections(bias)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)  # created last: init order as in nanoGPT
+        self.out_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)  # created last: init order as in nanoGPT
         self.resid_dropout = nn.Dropout(dropout)
 
     def build_projections(self, bias: bool) -> None:
@@ -120,7 +126,7 @@ class MultiHeadAttention(nn.Module):
         Keys and values come from ``context`` when given (cross-attention), else from ``x``.
         With a ``cache`` the new keys and values are appended and every cached one returned.
         """
-        q_width, kv_width = self.d_model, self.n_kv_heads * self.head_dim
+        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         if context is None:
             q, k, v = self.qkv(x).split([q_width, kv_width, kv_width], dim=-1)  # (B, T, q_width + 2 kv_width)
         else:  # the same fused weight, its query rows on x and its key/value rows on the context
@@ -147,7 +153,7 @@ class MultiHeadAttention(nn.Module):
     def merge(self, y: torch.Tensor) -> torch.Tensor:
         """``(B, n_heads, T, head_dim)`` → ``(B, T, d_model)`` through the output projection."""
         B, _, T, _ = y.shape
-        return self.out_proj(y.transpose(1, 2).reshape(B, T, self.d_model))  # (B, nh, T, hd) -> (B, T, d_model)
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, nh, T, hd) -> (B, T, nh*hd) -> (B, T, d_model)
 
     def check_inputs(self, x, context, mask, key_padding_mask, cache) -> torch.Tensor | None:
         """Validate every argument of :meth:`forward` before any kernel runs; return the combined mask."""

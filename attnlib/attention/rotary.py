@@ -1,0 +1,87 @@
+"""The attention of a modern decoder (Llama, Qwen3, Mistral): GQA with RoPE inside. Chapter 16.
+
+:class:`RotaryAttention` is :class:`~attnlib.attention.MultiHeadAttention` with three changes,
+each in one step of ``project → attend → merge``:
+
+* RoPE (Su et al. 2021) rotates queries and keys by their absolute positions after the
+  projection and before the cache, so cached keys are stored already rotated (Llama);
+* optional QK-norm (Qwen3; Dehghani et al. 2023): an RMSNorm over each head's query and key
+  before the rotation, which keeps the logits from growing;
+* an optional sliding window (Mistral; Jiang et al. 2023): query ``i`` sees keys
+  ``i - window < j <= i`` only (:func:`attnlib.mods.sliding_window`).
+"""
+from __future__ import annotations
+
+import torch
+
+from attnlib.attention.multi_head import MultiHeadAttention
+from attnlib.cache import LayerCache
+from attnlib.masks import mask_from_mod
+from attnlib.mods import sliding_window as window_mod
+from attnlib.norms import RMSNorm
+from attnlib.positional import RotaryEmbedding
+
+__all__ = ["RotaryAttention"]
+
+
+class RotaryAttention(MultiHeadAttention):
+    """Causal multi-head attention (MHA/GQA/MQA) with RoPE, optional QK-norm and sliding window.
+
+    Args:
+        d_model, n_heads, n_kv_heads, block_size, dropout, bias, attn_fn, head_dim: as
+            :class:`~attnlib.attention.MultiHeadAttention` (always causal self-attention).
+        rope: the :class:`~attnlib.positional.RotaryEmbedding` (``head_dim`` wide) shared by the
+            model's layers; default: plain RoPE with base 10000.
+        qk_norm: an RMSNorm over ``head_dim`` on queries and keys (Qwen3), eps ``norm_eps``.
+        sliding_window: ``None`` (full attention) or the window, an int >= 1.
+
+    Attributes:
+        q_norm, k_norm: the QK-norm layers (``None`` without ``qk_norm``).
+
+    Shapes:
+        ``forward(x (B, T, d_model), cache=...)`` → ``(B, T, d_model)``; queries and keys are
+        rotated at positions ``cache.length, …, cache.length + T - 1``.
+
+    Raises:
+        TypeError / ValueError: as :class:`~attnlib.attention.MultiHeadAttention`; a ``rope`` of
+            another width; a window that is not an int >= 1.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, *, block_size: int | None = None,
+                 dropout: float = 0.0, bias: bool = False, attn_fn: str = "sdpa", head_dim: int | None = None,
+                 rope: RotaryEmbedding | None = None, qk_norm: bool = False, norm_eps: float = 1e-6,
+                 sliding_window: int | None = None) -> None:
+        super().__init__(d_model, n_heads, n_kv_heads, block_size=block_size, dropout=dropout, bias=bias,
+                         causal=True, attn_fn=attn_fn, head_dim=head_dim)
+        rope = RotaryEmbedding(self.head_dim) if rope is None else rope
+        if not isinstance(rope, RotaryEmbedding) or rope.head_dim != self.head_dim:
+            raise ValueError(f"rope must be a RotaryEmbedding of head_dim={self.head_dim}; got {rope!r}")
+        self.rope = rope
+        if not isinstance(qk_norm, bool):
+            raise TypeError(f"qk_norm must be a bool; got {qk_norm!r}")
+        self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.window_mod = None if sliding_window is None else window_mod(sliding_window)
+        self.sliding_window = sliding_window
+
+    def project(self, x: torch.Tensor, context: torch.Tensor | None = None, cache: LayerCache | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries ``(B, n_heads, T, head_dim)`` and keys normalised (QK-norm) and rotated; then cached."""
+        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split([q_width, kv_width, kv_width], dim=-1)
+        q, k, v = self.split_heads(q, self.n_heads), self.split_heads(k, self.n_kv_heads), self.split_heads(v, self.n_kv_heads)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # per head, over head_dim (Qwen3: before RoPE)
+        start = 0 if cache is None else cache.length
+        positions = torch.arange(start, start + x.shape[1], device=x.device)  # absolute positions of the new tokens
+        q, k = self.rope.rotate(q, positions), self.rope.rotate(k, positions)
+        if cache is not None:
+            k, v = cache.update(k=k, v=v)  # keys cached rotated: never rotated again
+        return q, k, v
+
+    def attend(self, q, k, v, mask, is_causal, need_weights):
+        """As :class:`MultiHeadAttention`, with the window's mask added when there is one."""
+        if self.window_mod is not None:
+            window = mask_from_mod(self.window_mod, (1, 1, q.shape[-2], k.shape[-2]), q.device)  # causal too
+            mask = window if mask is None else mask & window
+        return super().attend(q, k, v, mask, is_causal, need_weights)
