@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attnlib.attention import MultiHeadAttention
 from attnlib.book.exercises import (
     CORRECT,
     WRONG,
@@ -69,7 +70,14 @@ def gqa_attention_broadcast_matmul(q, k, v):  # right values, but torch.matmul c
     return (scores.softmax(dim=-1) @ v.unsqueeze(2)).reshape(B, n_heads, T_q, head_dim)
 
 
-def gqa_attention_repeat(q, k, v):
+def gqa_attention_repeat(q, k, v):  # right values, but the shared heads are copied
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    return scores.masked_fill(~_scores_mask(q, k), float("-inf")).softmax(-1) @ v
+
+
+def gqa_attention_repeat_sdpa(q, k, v):  # copies, and calls PyTorch's fused attention
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=_scores_mask(q, k))
@@ -98,53 +106,91 @@ def gqa_attention_top_left(q, k, v):
 
 
 # ---------------------------------------------------------------- 06.3
-def _kv_heads(config):  # GPTConfig keeps n_kv_heads as given: None when not given
-    return {"mha": config.n_heads, "gqa": config.n_kv_heads or config.n_heads, "mqa": 1}[config.attention]
+def _pool_with(mha, n_kv_heads, pool):
+    """A MultiHeadAttention with n_kv_heads whose key/value rows are pool(rows of one projection)."""
+    d = mha.d_model
+    gqa = MultiHeadAttention(d, mha.n_heads, n_kv_heads)
+    w, b = mha.qkv.weight.detach(), mha.qkv.bias.detach()
+    with torch.no_grad():
+        gqa.qkv.weight.copy_(torch.cat([w[:d], pool(w[d : 2 * d]), pool(w[2 * d :])]))
+        gqa.qkv.bias.copy_(torch.cat([b[:d], pool(b[d : 2 * d]), pool(b[2 * d :])]))
+        gqa.out_proj.load_state_dict(mha.out_proj.state_dict())
+    return gqa
 
 
-def kv_cache_bytes(config, n_tokens, dtype):
-    return 2 * _kv_heads(config) * config.head_dim * dtype.itemsize * config.n_layers * n_tokens
+def _heads_of(mha, n_kv_heads):  # rows -> (n_kv_heads, group, head_dim, ...)
+    group = mha.n_heads // n_kv_heads
+    return lambda t: t.reshape(n_kv_heads, group, mha.head_dim, *t.shape[1:])
 
 
-def kv_cache_bytes_no_two(config, n_tokens, dtype):
-    return kv_cache_bytes(config, n_tokens, dtype) // 2
+def pool_kv_heads(mha, n_kv_heads):
+    heads = _heads_of(mha, n_kv_heads)
+    return _pool_with(mha, n_kv_heads, lambda t: heads(t).mean(1).reshape(-1, *t.shape[1:]))
 
 
-def kv_cache_bytes_one_layer(config, n_tokens, dtype):
-    return kv_cache_bytes(config, n_tokens, dtype) // config.n_layers
+def pool_kv_heads_first(mha, n_kv_heads):  # keeps head j*g of each group
+    heads = _heads_of(mha, n_kv_heads)
+    return _pool_with(mha, n_kv_heads, lambda t: heads(t)[:, 0].reshape(-1, *t.shape[1:]))
 
 
-def kv_cache_bytes_config_heads(config, n_tokens, dtype):  # trusts config.n_kv_heads, None when not given
-    return 2 * config.n_kv_heads * config.head_dim * dtype.itemsize * config.n_layers * n_tokens
+def pool_kv_heads_sum(mha, n_kv_heads):
+    heads = _heads_of(mha, n_kv_heads)
+    return _pool_with(mha, n_kv_heads, lambda t: heads(t).sum(1).reshape(-1, *t.shape[1:]))
 
 
-def kv_cache_bytes_or_n_heads(config, n_tokens, dtype):  # n_kv_heads or n_heads for every variant: wrong for "mqa"
-    return 2 * (config.n_kv_heads or config.n_heads) * config.head_dim * dtype.itemsize * config.n_layers * n_tokens
+def pool_kv_heads_tiled(mha, n_kv_heads):  # groups j, j + n_kv, ...: the i % n_kv reading
+    group = mha.n_heads // n_kv_heads
+
+    def pool(t):
+        tiled = t.reshape(group, n_kv_heads, mha.head_dim, *t.shape[1:])
+        return tiled.mean(0).reshape(-1, *t.shape[1:])
+
+    return _pool_with(mha, n_kv_heads, pool)
 
 
-def kv_cache_bytes_gqa_no_default(config, n_tokens, dtype):  # a "gqa" config without n_kv_heads holds None
-    n_kv_heads = {"mha": config.n_heads, "gqa": config.n_kv_heads, "mqa": 1}[config.attention]
-    return 2 * n_kv_heads * config.head_dim * dtype.itemsize * config.n_layers * n_tokens
+def pool_kv_heads_rows(mha, n_kv_heads):  # neighbouring rows averaged, not whole heads
+    group = mha.n_heads // n_kv_heads
+    return _pool_with(
+        mha, n_kv_heads, lambda t: t.reshape(-1, group, *t.shape[1:]).mean(1)
+    )
 
 
-def kv_cache_bytes_float(config, n_tokens, dtype):
-    return float(kv_cache_bytes(config, n_tokens, dtype))
+def pool_kv_heads_weights_only(mha, n_kv_heads):  # pools the weights, keeps the first biases
+    gqa = pool_kv_heads(mha, n_kv_heads)
+    d, kv = mha.d_model, n_kv_heads * mha.head_dim
+    b = mha.qkv.bias.detach()
+    with torch.no_grad():
+        gqa.qkv.bias[d:].copy_(torch.cat([b[d : d + kv], b[2 * d : 2 * d + kv]]))
+    return gqa
 
 
-def kv_cache_bytes_bits(config, n_tokens, dtype):
-    bits = torch.finfo(dtype).bits
-    return 2 * _kv_heads(config) * config.head_dim * bits * config.n_layers * n_tokens
+def pool_kv_heads_in_place(mha, n_kv_heads):  # right layer, but scribbles on the input
+    gqa = pool_kv_heads(mha, n_kv_heads)
+    with torch.no_grad():
+        mha.qkv.weight.zero_()
+    return gqa
 
 
-def kv_cache_bytes_library(config, n_tokens, dtype):  # the config's own property: also right
-    return 2 * config.kv_heads * config.head_dim * dtype.itemsize * config.n_layers * n_tokens
+def pool_kv_heads_queries_too(mha, n_kv_heads):  # also averages the query heads of a group
+    gqa = pool_kv_heads(mha, n_kv_heads)
+    d, group = mha.d_model, mha.n_heads // n_kv_heads
+    w = mha.qkv.weight.detach()[:d].reshape(n_kv_heads, group, mha.head_dim, d)
+    with torch.no_grad():
+        gqa.qkv.weight[:d].copy_(w.mean(1, keepdim=True).expand_as(w).reshape(d, d))
+    return gqa
 
 
-REFERENCE = [("06.1", repeat_kv), ("06.2", gqa_attention), ("06.3", kv_cache_bytes)]
+def pool_kv_heads_fresh_out_proj(mha, n_kv_heads):  # forgets to copy the output projection
+    gqa = pool_kv_heads(mha, n_kv_heads)
+    gqa.out_proj.reset_parameters()
+    return gqa
+
+
+REFERENCE = [("06.1", repeat_kv), ("06.2", gqa_attention), ("06.3", pool_kv_heads)]
 
 
 @pytest.mark.parametrize(
-    "exercise_id, answer", REFERENCE + [("06.2", gqa_attention_folded), ("06.3", kv_cache_bytes_library)]
+    "exercise_id, answer", REFERENCE + [("06.2", gqa_attention_folded)]
 )
 def test_reference_answer_is_correct(exercise_id, answer):
     verdict = grade(exercise_id, answer)
@@ -155,20 +201,22 @@ def test_reference_answer_is_correct(exercise_id, answer):
     "exercise_id, answer, hint",
     [
         ("06.1", repeat_kv_tiled, "i % n_kv_heads"),
-        ("06.1", repeat_kv_library, "without repeat_interleave"),
+        ("06.1", repeat_kv_library, "calls repeat_interleave"),
         ("06.1", repeat_kv_with_view, "RuntimeError"),
         ("06.2", gqa_attention_broadcast_matmul, "torch.matmul when it broadcasts"),
         ("06.2", gqa_attention_repeat, "allocated"),
-        ("06.2", gqa_attention_sdpa, "write the attention yourself"),
+        ("06.2", gqa_attention_repeat_sdpa, "calls F.scaled_dot_product_attention"),
+        ("06.2", gqa_attention_sdpa, "calls F.scaled_dot_product_attention"),
         ("06.2", gqa_attention_wrong_groups, "i // group_size"),
         ("06.2", gqa_attention_top_left, "top-left"),
-        ("06.3", kv_cache_bytes_no_two, "a factor 2"),
-        ("06.3", kv_cache_bytes_one_layer, "n_layers"),
-        ("06.3", kv_cache_bytes_config_heads, "n_kv_heads was not given; multi-head attention has one kv head per"),
-        ("06.3", kv_cache_bytes_or_n_heads, "you used n_heads; here the layers have 1: multi-query attention"),
-        ("06.3", kv_cache_bytes_gqa_no_default, 'a "gqa" config without n_kv_heads'),
-        ("06.3", kv_cache_bytes_float, "Python int"),
-        ("06.3", kv_cache_bytes_bits, "bits"),
+        ("06.3", pool_kv_heads_first, "kept one head of each group"),
+        ("06.3", pool_kv_heads_sum, "summed the heads"),
+        ("06.3", pool_kv_heads_tiled, "i % n_kv_heads reading"),
+        ("06.3", pool_kv_heads_rows, "averaged neighbouring rows"),
+        ("06.3", pool_kv_heads_weights_only, "pool it the same way"),
+        ("06.3", pool_kv_heads_in_place, "changed the multi-head layer"),
+        ("06.3", pool_kv_heads_queries_too, "query rows of qkv changed"),
+        ("06.3", pool_kv_heads_fresh_out_proj, "copy out_proj unchanged"),
     ],
 )
 def test_plausible_mistake_is_wrong(exercise_id, answer, hint):
@@ -177,3 +225,11 @@ def test_plausible_mistake_is_wrong(exercise_id, answer, hint):
     assert hint in verdict.detail, str(verdict)
 
 
+
+
+@pytest.mark.parametrize("exercise_id", ["06.1", "06.2", "06.3"])
+def test_stub_is_not_solved(exercise_id):
+    def stub(*args):
+        raise NotImplementedError("not yet")
+
+    assert grade(exercise_id, stub).status == "not solved yet"

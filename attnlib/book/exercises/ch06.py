@@ -6,8 +6,14 @@
 * 06.2 ``check_gqa_attention``: ``gqa_attention(q, k, v)``, causal grouped-query attention that
   never copies the keys or values; checked against
   ``F.scaled_dot_product_attention(..., enable_gqa=True)``, and its allocations are logged.
-* 06.3 ``check_kv_cache_bytes``: ``kv_cache_bytes(config, n_tokens, dtype)``, the bytes a KV
-  cache holds for a GPT, checked against the keys and values its attention layers produce.
+* 06.3 ``check_pool_kv_heads``: ``pool_kv_heads(mha, n_kv_heads)`` turns a multi-head layer into a
+  grouped-query one by mean-pooling the key and value projection heads of each group (Ainslie et
+  al. 2023, §2.1: the checkpoint conversion before uptraining); checked against the check's own
+  pooled weights and a GQA forward pass written out here.
+
+Rules an exercise states are enforced by what the answer does: calls it must not make
+(``repeat_interleave`` in 06.1, ``F.scaled_dot_product_attention`` in 06.2) are intercepted
+with a ``torch.overrides.TorchFunctionMode`` while the answer runs.
 
 The graders draw their random inputs from a local ``torch.Generator``; ``grade`` runs them
 inside ``torch.random.fork_rng``, so checking an answer never changes the notebook's global
@@ -15,26 +21,37 @@ random state.
 """
 from __future__ import annotations
 
-import inspect
+import math
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from attnlib.attention import ATTENTION_REGISTRY
-from attnlib.book.exercises._core import NotSolved, exercise, expect, expect_close
-from attnlib.config import GPTConfig
+from attnlib.attention import MultiHeadAttention
+from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect, expect_close
 from attnlib.functional import causal_mask
 
-__all__ = ["check_repeat_kv", "check_gqa_attention", "check_kv_cache_bytes"]
+__all__ = ["check_repeat_kv", "check_gqa_attention", "check_pool_kv_heads"]
 
 
-def _source(fn) -> str | None:
-    try:
-        return inspect.getsource(fn)
-    except (OSError, TypeError):
-        return None
+class _Forbidden(Exception):
+    """Raised (and caught by the check) when an answer calls a function its exercise rules out."""
+
+
+class _Forbid(TorchFunctionMode):
+    """While active, a call to a torch function named in ``names`` raises :class:`_Forbidden`."""
+
+    def __init__(self, *names: str) -> None:
+        super().__init__()
+        self.names = set(names)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.names:
+            raise _Forbidden(name)
+        return func(*args, **(kwargs or {}))
 
 
 def _heads(B: int, n: int, T: int, head_dim: int, g: torch.Generator) -> torch.Tensor:
@@ -77,7 +94,14 @@ def check_repeat_kv(repeat_kv) -> None:
         k = _heads(B, n_kv, T, head_dim, g)
         before = k.clone()
         case = f"repeat_kv(k of shape {tuple(k.shape)}, n_rep={n_rep})"
-        got = repeat_kv(k, n_rep)
+        try:
+            with _Forbid("repeat_interleave"):
+                got = repeat_kv(k, n_rep)
+        except _Forbidden:
+            raise Wrong(
+                "your repeat_kv calls repeat_interleave; build it by hand: "
+                "k[:, :, None].expand(...), then reshape"
+            ) from None
         if got is None:
             raise NotSolved("return the repeated tensor, not None")
         expect(isinstance(got, torch.Tensor), f"return a torch.Tensor; got {type(got).__name__}")
@@ -93,11 +117,6 @@ def check_repeat_kv(repeat_kv) -> None:
                 "put the new dimension of size n_rep right after the kv-head dimension (k[:, :, None])",
             )
         expect_close(got, expected, case)
-    source = _source(repeat_kv)
-    expect(
-        source is None or "repeat_interleave" not in source,
-        "the values are right, but build it by hand: k[:, :, None].expand(...) then reshape, without repeat_interleave",
-    )
 
 
 # ---------------------------------------------------------------- 06.2
@@ -115,6 +134,18 @@ def _reference(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+def _call_own_attention(gqa_attention, q, k, v):
+    """``gqa_attention(q, k, v)``, refused with a hint if it calls PyTorch's fused attention."""
+    try:
+        with _Forbid("scaled_dot_product_attention"):
+            return gqa_attention(q, k, v)
+    except _Forbidden:
+        raise Wrong(
+            "your gqa_attention calls F.scaled_dot_product_attention; write the attention "
+            "yourself (scores, causal mask, softmax, weighted sum of the values)"
+        ) from None
+
+
 @exercise("06.2")
 def check_gqa_attention(gqa_attention) -> None:
     """Check causal ``gqa_attention(q, k, v)`` against SDPA ``enable_gqa=True``, then that it copies no keys or values."""
@@ -124,7 +155,7 @@ def check_gqa_attention(gqa_attention) -> None:
         k, v = _heads(B, n_kv, T_k, head_dim, g), _heads(B, n_kv, T_k, head_dim, g)
         case = f"(B={B}, n_heads={n_heads}, n_kv_heads={n_kv}, T_q={T_q}, T_k={T_k})"
         with torch.no_grad():
-            got = gqa_attention(q, k, v)
+            got = _call_own_attention(gqa_attention, q, k, v)
             if got is None:
                 raise NotSolved("return the attention output of shape (B, n_heads, T_q, head_dim), not None")
             expect(isinstance(got, torch.Tensor), f"return a torch.Tensor; got {type(got).__name__}")
@@ -163,7 +194,7 @@ def check_gqa_attention(gqa_attention) -> None:
     k, v = torch.randn(2, B, n_kv, T_k, head_dim, generator=g)  # contiguous, as a KV cache stores them
     copy_bytes = B * n_heads * T_k * head_dim * k.element_size()  # K repeated to every query head
     with torch.no_grad(), _AllocationLog() as log:
-        gqa_attention(q, k, v)
+        _call_own_attention(gqa_attention, q, k, v)
     total = sum(nbytes for _, nbytes in log.records)
     largest = ", ".join(f"{name} {nbytes:,} B" for name, nbytes in sorted(log.records, key=lambda r: -r[1])[:4])
     expect(
@@ -174,78 +205,142 @@ def check_gqa_attention(gqa_attention) -> None:
         "does torch.matmul when it broadcasts an operand. Use torch.einsum with a letter for the group, or fold "
         "the group into the query rows, (B, n_kv_heads, group_size * T_q, head_dim)",
     )
-    source = _source(gqa_attention)
-    expect(
-        source is None or "scaled_dot_product_attention" not in source,
-        "the values are right and nothing is copied, but write the attention yourself instead of calling "
-        "F.scaled_dot_product_attention",
-    )
 
 
 # ---------------------------------------------------------------- 06.3
-_CACHE_CASES = [  # (config, n_tokens, dtype)
-    (GPTConfig(block_size=64), 32, torch.float32),  # "mha", n_kv_heads not given: None
-    (GPTConfig(block_size=128, n_kv_heads=2, attention="gqa"), 100, torch.bfloat16),
-    (GPTConfig(block_size=16, attention="mqa"), 7, torch.float16),  # n_kv_heads None, one kv head
-    (GPTConfig(block_size=16, n_heads=6, d_model=48, attention="gqa"), 16, torch.float32),  # "gqa" without n_kv_heads
-    (GPTConfig(block_size=16, n_kv_heads=1, attention="mqa"), 5, torch.float32),
-    (GPTConfig(block_size=1024, n_layers=12, n_heads=12, d_model=768, n_kv_heads=4, attention="gqa"), 1024, torch.bfloat16),
-    (GPTConfig(block_size=8, n_layers=2, n_heads=6, d_model=48, n_kv_heads=6, attention="gqa"), 3, torch.float64),
-    (GPTConfig(block_size=8, n_layers=3, n_heads=8, d_model=64, n_kv_heads=8, attention="mha"), 1, torch.float32),
+_POOL_CASES = [  # (d_model, n_heads, n_kv_heads)
+    (32, 8, 2),
+    (24, 6, 3),
+    (16, 4, 1),  # multi-query: every head pooled into one
+    (48, 12, 4),
+    (16, 4, 4),  # one head per group: nothing to pool
 ]
 
-_KV_HEADS_HINT = {
-    "mha": "multi-head attention has one kv head per query head (n_heads)",
-    "mqa": "multi-query attention has exactly one kv head",
-    "gqa": "a \"gqa\" config without n_kv_heads has one kv head per query head (n_heads)",
-}
+
+def _random_mha(d_model: int, n_heads: int, g: torch.Generator) -> MultiHeadAttention:
+    """A multi-head layer with random weights and biases (each head different), drawn from ``g``."""
+    mha = MultiHeadAttention(d_model, n_heads, attn_fn="eager")
+    with torch.no_grad():
+        for p in mha.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(d_model))
+    return mha
 
 
-def _measured_cache_bytes(config: GPTConfig, n_tokens: int, dtype: torch.dtype) -> int:
-    """Bytes of the keys and values the config's attention layers produce for ``n_tokens`` tokens (meta tensors)."""
-    with torch.device("meta"):  # shapes and dtypes only: no memory, no arithmetic, no random numbers
-        layer = ATTENTION_REGISTRY[config.attention](config).to(dtype)
-        _, k, v = layer.project(torch.empty(1, n_tokens, config.d_model, dtype=dtype))
-    return config.n_layers * (k.nelement() * k.element_size() + v.nelement() * v.element_size())
+def _pool_rows(t: torch.Tensor, n_kv: int, group: int, how: str = "mean") -> torch.Tensor:
+    """Pool the head rows of ``t`` (``n_heads * head_dim`` rows, grouped by neighbouring heads)."""
+    heads = t.reshape(n_kv, group, -1, *t.shape[1:])  # (n_kv, group, head_dim, ...)
+    pooled = {"mean": heads.mean(1), "sum": heads.sum(1), "first": heads[:, 0]}[how]
+    return pooled.reshape(-1, *t.shape[1:])  # (n_kv * head_dim, ...)
+
+
+def _pooled_weights(mha: MultiHeadAttention, n_kv: int, how: str = "mean", order: str = "grouped"):
+    """The fused [W_q; W_k; W_v] weight and bias of the pooled layer, built here independently."""
+    d, h = mha.d_model, mha.n_heads
+    group, head_dim = h // n_kv, d // h
+    w, b = mha.qkv.weight.detach(), mha.qkv.bias.detach()
+    parts_w, parts_b = [w[:d]], [b[:d]]
+    for lo in (d, 2 * d):  # the key rows, then the value rows
+        wk, bk = w[lo : lo + d], b[lo : lo + d]
+        if order == "tiled":  # kv head j pools query heads j, j + n_kv, ...: the i % n_kv reading
+            wk = wk.reshape(group, n_kv, head_dim, d).transpose(0, 1).reshape(d, d)
+            bk = bk.reshape(group, n_kv, head_dim).transpose(0, 1).reshape(d)
+        elif order == "rows":  # neighbouring rows averaged: features of one head mixed
+            parts_w.append(wk.reshape(n_kv * head_dim, group, d).mean(1))
+            parts_b.append(bk.reshape(n_kv * head_dim, group).mean(1))
+            continue
+        parts_w.append(_pool_rows(wk, n_kv, group, how))
+        parts_b.append(_pool_rows(bk, n_kv, group, how))
+    return torch.cat(parts_w), torch.cat(parts_b)
+
+
+def _gqa_forward(x, w, b, out_w, out_b, n_heads, n_kv):
+    """Causal GQA written out: fused projection, kv heads repeated to their groups, softmax, W_O."""
+    B, T, d = x.shape
+    head_dim = d // n_heads
+    q, k, v = (x @ w.T + b).split([d, n_kv * head_dim, n_kv * head_dim], dim=-1)
+    q = q.view(B, T, n_heads, head_dim).transpose(1, 2)  # (B, n_heads, T, hd)
+    k, v = (t.view(B, T, n_kv, head_dim).transpose(1, 2) for t in (k, v))  # (B, n_kv, T, hd)
+    k, v = (t.repeat_interleave(n_heads // n_kv, dim=1) for t in (k, v))  # head i reads i // g
+    scores = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    y = scores.masked_fill(future, float("-inf")).softmax(-1) @ v  # (B, n_heads, T, hd)
+    return y.transpose(1, 2).reshape(B, T, d) @ out_w.T + out_b
 
 
 @exercise("06.3")
-def check_kv_cache_bytes(kv_cache_bytes) -> None:
-    """Check ``kv_cache_bytes(config, n_tokens, dtype) -> int`` against the keys and values the layers produce."""
-    for config, n_tokens, dtype in _CACHE_CASES:
-        try:
-            got = kv_cache_bytes(config, n_tokens, dtype)
-        except TypeError as e:  # arithmetic on config.n_kv_heads = None
-            if config.n_kv_heads is None and "NoneType" in str(e):
-                expect(
-                    False,
-                    f"your code raised TypeError: {e}, for attention={config.attention!r} with n_kv_heads=None: "
-                    f"GPTConfig keeps its fields as given, and n_kv_heads was not given; "
-                    f"{_KV_HEADS_HINT[config.attention]}",
-                )
-            raise
+def check_pool_kv_heads(pool_kv_heads) -> None:
+    """Check ``pool_kv_heads(mha, n_kv_heads)``: weights, biases and outputs of the pooled layer."""
+    g = torch.Generator().manual_seed(603)
+    for d_model, n_heads, n_kv in _POOL_CASES:
+        mha = _random_mha(d_model, n_heads, g)
+        before = {name: t.clone() for name, t in mha.state_dict().items()}
+        case = f"(d_model={d_model}, n_heads={n_heads}, n_kv_heads={n_kv})"
+        with torch.no_grad():
+            got = pool_kv_heads(mha, n_kv)
         if got is None:
-            raise NotSolved("return the number of bytes as an int, not None")
+            raise NotSolved("return the grouped-query layer, not None")
         expect(
-            isinstance(got, int) and not isinstance(got, bool),
-            f"return a Python int; got {type(got).__name__} (use int(...) if you computed a float or a tensor)",
+            all(torch.equal(t, before[name]) for name, t in mha.state_dict().items()),
+            f"{case}: your function changed the multi-head layer it was given; build a new "
+            "MultiHeadAttention and copy the pooled weights into it",
         )
-        expected = _measured_cache_bytes(config, n_tokens, dtype)
-        case = (
-            f'kv_cache_bytes(attention="{config.attention}", n_layers={config.n_layers}, n_heads={config.n_heads}, '
-            f"n_kv_heads={config.n_kv_heads}, head_dim={config.head_dim}; n_tokens={n_tokens}, {dtype}) = {got:,}"
+        expect(
+            isinstance(got, MultiHeadAttention),
+            f"{case}: return an attnlib MultiHeadAttention; got {type(got).__name__}",
         )
-        if got == expected:
-            continue
-        per_head = expected // (config.n_layers * n_tokens)  # bytes per token per layer: 2 * heads * head_dim * size
-        expect(got * 2 != expected, f"{case}, expected {expected:,}: the cache holds a key AND a value (a factor 2)")
-        expect(got * config.n_layers != expected, f"{case}, expected {expected:,}: every one of the n_layers layers has its own cache")
-        expect(got != expected * 8, f"{case}, expected {expected:,}: that is bits; count bytes (dtype.itemsize)")
-        element = torch.empty((), dtype=dtype).element_size()
-        kv_heads = per_head // (2 * config.head_dim * element)
-        for heads, why in [(config.n_heads, "n_heads"), (config.n_kv_heads, "config.n_kv_heads"), (1, "one kv head")]:
-            if heads is not None and heads != kv_heads and got == 2 * heads * config.head_dim * element * config.n_layers * n_tokens:
-                given = _KV_HEADS_HINT[config.attention] if config.n_kv_heads is None else f"the config gives n_kv_heads={config.n_kv_heads}"
-                expect(False, f"{case}, expected {expected:,}: you used {why}; here the layers have {kv_heads}: {given}")
-        expect(False, f"{case}, expected {expected:,} = 2 (K and V) x kv heads x head_dim x bytes per number x n_layers x n_tokens")
-
+        expect(
+            (got.d_model, got.n_heads, got.n_kv_heads) == (d_model, n_heads, n_kv),
+            f"{case}: your layer has d_model={got.d_model}, n_heads={got.n_heads}, "
+            f"n_kv_heads={got.n_kv_heads}; keep d_model and n_heads, with n_kv_heads={n_kv}",
+        )
+        expect(
+            got.qkv.bias is not None and got.out_proj.bias is not None,
+            f"{case}: your layer has no biases; the multi-head layer has them, so build yours "
+            "with bias=True and pool the key/value biases like the weights",
+        )
+        w, b = got.qkv.weight.detach(), got.qkv.bias.detach()
+        w_ref, b_ref = _pooled_weights(mha, n_kv)
+        if n_kv < n_heads and not torch.allclose(w, w_ref, atol=1e-6):
+            wrong_ways = [
+                ("first", "grouped", "you kept one head of each group (the first); average the "
+                 "group's heads instead: mean-pooling keeps what every head contributes"),
+                ("sum", "grouped", "you summed the heads of each group; average them (divide "
+                 "by the group size n_heads // n_kv_heads)"),
+                ("mean", "tiled", "your kv head j averages query heads j, j + n_kv_heads, ... "
+                 "(the i % n_kv_heads reading); a group is neighbouring heads: kv head j serves "
+                 "query heads j*g ... j*g + g - 1, so view the rows as (n_kv_heads, g, head_dim, "
+                 "d_model)"),
+                ("mean", "rows", "you averaged neighbouring rows, which mixes the features "
+                 "of one head; average whole heads: view the rows as (n_kv_heads, g, head_dim, "
+                 "d_model) and take the mean over g"),
+            ]
+            for how, order, hint in wrong_ways:
+                w_alt, _ = _pooled_weights(mha, n_kv, how, order)
+                expect(not torch.allclose(w, w_alt, atol=1e-6), f"{case}: {hint}")
+            expect(
+                torch.allclose(w[d_model:], w_ref[d_model:], atol=1e-6),
+                f"{case}: the key/value rows of qkv.weight are not the group means of the "
+                "multi-head layer's key/value heads",
+            )
+        expect(
+            torch.allclose(w[:d_model], w_ref[:d_model], atol=1e-6)
+            and torch.allclose(b[:d_model], b_ref[:d_model], atol=1e-6),
+            f"{case}: the query rows of qkv changed; every query head stays as it was "
+            "(only keys and values are shared)",
+        )
+        expect_close(w, w_ref, f"{case}: qkv.weight", atol=1e-6)
+        expect(
+            torch.allclose(b, b_ref, atol=1e-6),
+            f"{case}: the weights are right but the key/value biases are not their group "
+            "means; a bias belongs to a head like its rows: pool it the same way",
+        )
+        expect(
+            torch.allclose(got.out_proj.weight, mha.out_proj.weight)
+            and torch.allclose(got.out_proj.bias, mha.out_proj.bias),
+            f"{case}: copy out_proj unchanged: the output projection reads the n_heads query "
+            "heads' outputs, which GQA keeps",
+        )
+        x = torch.randn(2, 7, d_model, generator=g)
+        expected = _gqa_forward(x, w_ref, b_ref, mha.out_proj.weight, mha.out_proj.bias, n_heads, n_kv)
+        with torch.no_grad():
+            expect_close(got.eval()(x), expected, f"{case}: your layer's output")
