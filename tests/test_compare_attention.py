@@ -168,6 +168,7 @@ def test_seeds_give_one_entry_per_variant_per_seed():
     assert mha["by_seed"]["3"]["val_loss"] != mha["by_seed"]["4"]["val_loss"]  # another seed, another run
     summary = ca.seed_summary(results)
     losses = [r["final_val_loss"] for r in mha["by_seed"].values()]
+    assert summary["mha"]["losses"] == {"3": losses[0], "4": losses[1]}
     assert summary["mha"]["n"] == 2 and summary["mha"]["min"] == min(losses) and summary["mha"]["max"] == max(losses)
     assert summary["mha"]["mean"] == pytest.approx(sum(losses) / 2)
     assert summary["mha"]["std"] == pytest.approx(abs(losses[0] - losses[1]) / 2**0.5)
@@ -175,8 +176,66 @@ def test_seeds_give_one_entry_per_variant_per_seed():
 
 
 def test_seed_summary_of_a_file_without_by_seed():
-    old = {"variants": {"mha": {"final_val_loss": 1.5}}}
-    assert ca.seed_summary(old) == {"mha": {"n": 1, "mean": 1.5, "min": 1.5, "max": 1.5, "std": 0.0}}
+    old = {"training": {"seed": 7}, "variants": {"mha": {"steps": [0, 10], "val_loss": [4.0, 1.5]}}}
+    assert ca.seed_summary(old) == {"mha": {"n": 1, "mean": 1.5, "min": 1.5, "max": 1.5, "std": 0.0,
+                                            "losses": {"7": 1.5}}}
+
+
+def _run(steps, val):
+    return {"steps": steps, "val_loss": val, "train_loss": val, "final_val_loss": val[-1],
+            "final_train_loss": val[-1], "tokens_per_s": 1.0, "elapsed_s": 1.0}
+
+
+def _results(seeds, max_iters, by_seed, parameters=10):
+    return {"meta": {"command": f"run {seeds}"}, "model": dict(ca.MODEL), "seeds": seeds,
+            "training": {**ca.TRAINING, "seed": seeds[0], "max_iters": max_iters, "eval_iters": 50},
+            "variants": {"mha": {**by_seed[str(seeds[0])], "parameters": parameters, "causal": True,
+                                 "by_seed": by_seed}}}
+
+
+def test_merge_seeds_of_a_shorter_budget_and_summary_at_a_step():
+    first = _results([1], 20, {"1": _run([0, 10, 20], [4.0, 2.0, 1.0])})
+    del first["variants"]["mha"]["by_seed"]  # a file written before by_seed existed
+    more = _results([2, 3], 10, {"2": _run([0, 10], [4.0, 2.5]), "3": _run([0, 10], [4.0, 1.5])})
+    merged = ca.merge_seeds(first, more)
+    assert merged["seeds"] == [1, 2, 3] and merged["meta"]["merged"] == [more["meta"]]
+    assert sorted(merged["variants"]["mha"]["by_seed"]) == ["1", "2", "3"]
+    assert merged["variants"]["mha"]["final_val_loss"] == 1.0  # the first run's top level is kept
+    assert "by_seed" not in first["variants"]["mha"]  # the inputs are not changed
+    at_10 = ca.seed_summary(merged, step=10)["mha"]
+    assert at_10["losses"] == {"1": 2.0, "2": 2.5, "3": 1.5} and at_10["mean"] == pytest.approx(2.0)
+    assert at_10["std"] == pytest.approx(0.5) and (at_10["min"], at_10["max"]) == (1.5, 2.5)
+    with pytest.raises(ValueError, match=r"variant='mha': its runs end at steps \[10, 20\]; pass step="):
+        ca.seed_summary(merged)
+    with pytest.raises(ValueError, match=r"variant='mha': seed\(s\) \['2', '3'\] have no estimate at step=20"):
+        ca.seed_summary(merged, step=20)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r: r["model"].update(d_model=32), "model settings differ"),
+    (lambda r: r["training"].update(learning_rate=0.1), "training settings differ"),
+    (lambda r: r["variants"]["mha"].update(parameters=11), "variant='mha': 11 parameters, but 10"),
+    (lambda r: r["variants"].update(gqa=r["variants"]["mha"]), "variant='gqa' is not in the run"),
+    (lambda r: r["variants"]["mha"]["by_seed"].update({"1": _run([0], [1.0])}), "seed 1 is in both runs"),
+])
+def test_merge_seeds_refuses_what_does_not_fit(change, message):
+    first = _results([1], 20, {"1": _run([0, 20], [4.0, 1.0])})
+    more = _results([2], 20, {"2": _run([0, 20], [4.0, 1.1])})
+    change(more)
+    with pytest.raises(ValueError, match=message):
+        ca.merge_seeds(first, more)
+
+
+def test_command_line_merge_with_a_missing_or_unfit_file(tmp_path, capsys, no_training):
+    for argv, message in (
+        (["--merge-with", str(tmp_path / "none.json")], "argument --merge-with: no results file at"),
+        (["--merge-with", str(tmp_path / "r.json"), "--eval-iters", "7"], "training settings differ"),
+    ):
+        (tmp_path / "r.json").write_text(json.dumps(_results([1], 5000, {"1": _run([0], [1.0])})))
+        with pytest.raises(SystemExit) as exit_info:
+            ca.main(argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err.splitlines()[-1]
 
 
 @pytest.mark.parametrize("seeds", [(), (1, 1), (-1,)])

@@ -1,19 +1,20 @@
 """Source 000's experiment, done right: every attention variant trained the same way on Tiny Shakespeare.
 
-Chapter 13. The full run (about 45 minutes on one CPU thread)::
+Chapter 13. The full run, three seeds (about 45 minutes on an idle CPU core)::
 
     python -m attnlib.book.experiments.compare_attention --include-leaky --eval-iters 50 \
         --seeds 1337 1338 1339
-
-The committed file was made in two steps: the first seed with the leaky models
-(``--include-leaky --eval-iters 50``), then more seeds of the causal variants added with
-``--seeds 1338 1339 --eval-iters 50 --eval-interval 250 --merge-with FILE``; its ``meta``
-records both commands.
 
 writes ``results/compare_attention.json`` under the current directory (``--out FILE`` to
 choose; every flag, the output path included, is checked before training starts). The
 committed run the chapter reads ships inside the package (:mod:`attnlib.book.results`);
 :func:`load_results` reads it.
+
+The committed file was made in two steps: the first seed with the leaky models, 5000 steps
+(``--include-leaky --eval-iters 50``), then two more seeds of the causal variants, 2000
+steps each to fit a shared 2-core machine, added with ``--seeds 1338 1339 --max-iters 2000
+--eval-iters 50 --eval-interval 500 --merge-with FILE``; its ``meta`` records both
+commands, and the chapter compares the seeds at step 2000 (``seed_summary(results, 2000)``).
 
 Every variant gets the same configuration (the source's: d_model 64, 4 heads,
 n_kv_heads 2, 4 layers, block 32, batch 16, lr 1e-3, 5000 steps, evaluation every 100
@@ -218,22 +219,41 @@ def compare(
     return results
 
 
-def seed_summary(results: dict) -> dict[str, dict[str, float]]:
-    """Final validation loss per variant over its seeds: ``{name: {n, mean, min, max, std}}``.
+def seed_summary(results: dict, step: int | None = None) -> dict[str, dict[str, float]]:
+    """Validation loss per variant over its seeds: ``{name: {n, mean, min, max, std, losses}}``.
 
-    ``std`` is the sample standard deviation (0.0 for one seed). A file written before
-    ``by_seed`` existed counts as one seed (its ``final_val_loss``).
+    ``step=None`` takes each seed's final loss (all of a variant's runs must end at the same
+    step); an int takes each seed's estimate at that step. ``std`` is the sample standard
+    deviation (0.0 for one seed); ``losses`` maps each seed (a string) to its loss. A file
+    written before ``by_seed`` existed counts as one seed (its top-level run).
+
+    Raises:
+        ValueError: runs that end at different steps (with ``step=None``), or a run that has
+            no estimate at ``step``.
     """
     summary = {}
     for name, run in results["variants"].items():
-        losses = [r["final_val_loss"] for r in run.get("by_seed", {"": run}).values()]
-        mean = sum(losses) / len(losses)
-        var = sum((x - mean) ** 2 for x in losses) / (len(losses) - 1) if len(losses) > 1 else 0.0
-        summary[name] = {"n": len(losses), "mean": mean, "min": min(losses), "max": max(losses), "std": var**0.5}
+        by_seed = run.get("by_seed") or {str(results.get("training", {}).get("seed", "")): run}
+        if step is None:
+            ends = {r["steps"][-1] for r in by_seed.values()}
+            if len(ends) > 1:
+                raise ValueError(f"variant={name!r}: its runs end at steps {sorted(ends)}; pass step=")
+            losses = {seed: r["val_loss"][-1] for seed, r in by_seed.items()}
+        else:
+            missing = [seed for seed, r in by_seed.items() if step not in r["steps"]]
+            if missing:
+                raise ValueError(f"variant={name!r}: seed(s) {missing} have no estimate at step={step}")
+            losses = {seed: r["val_loss"][r["steps"].index(step)] for seed, r in by_seed.items()}
+        values = list(losses.values())
+        mean = sum(values) / len(values)
+        var = sum((x - mean) ** 2 for x in values) / (len(values) - 1) if len(values) > 1 else 0.0
+        summary[name] = {"n": len(values), "mean": mean, "min": min(values), "max": max(values),
+                         "std": var**0.5, "losses": losses}
     return summary
 
 
-_SEED_FREE = ("seed", "eval_interval", "device")  # training settings that may differ between merged runs
+#: Training settings that may differ between merged runs (extra seeds may train for fewer steps).
+_SEED_FREE = ("seed", "eval_interval", "device", "max_iters")
 
 
 def merge_seeds(first: dict, more: dict) -> dict:
@@ -241,7 +261,9 @@ def merge_seeds(first: dict, more: dict) -> dict:
 
     Used to add seeds to a finished run without training its first seed again
     (``--merge-with``). The model settings and the training settings other than the
-    seed, the evaluation interval and the device must agree, and so must each variant's
+    seed, the number of steps, the evaluation interval and the device must agree (extra
+    seeds may train for fewer steps: compare them at a step every run evaluated, with
+    :func:`seed_summary`'s ``step``), and so must each variant's
     parameter count; a variant of ``more`` must be in ``first``. A file written before
     ``by_seed`` existed counts as one run with its training seed. ``first``'s top-level
     entries (its own seed's curves) are kept; ``meta["merged"]`` lists ``more``'s meta.
