@@ -27,13 +27,22 @@ def test_03_1_reference_is_correct():
     assert grade("03.1", bottom_right).status == CORRECT
 
 
-@pytest.mark.parametrize("answer", [top_left, bottom_right_float, bottom_right_off_by_one])
-def test_03_1_mistakes_are_wrong(answer):
-    assert grade("03.1", answer).status == WRONG
+def bottom_right_transposed(T_q, T_k):
+    return torch.ones(T_k, T_q, dtype=torch.bool).tril(diagonal=T_k - T_q).T.contiguous()
 
 
-def test_03_1_top_left_hint():
-    assert "top-left" in grade("03.1", top_left).detail
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (top_left, "aligned to the top-left"),
+        (bottom_right_float, "dtype"),
+        (bottom_right_off_by_one, "after its own position"),
+        (bottom_right_transposed, "must see every key"),
+    ],
+)
+def test_03_1_mistakes_are_wrong(answer, hint):
+    verdict = grade("03.1", answer)
+    assert verdict.status == WRONG and hint in verdict.detail, str(verdict)
 
 
 # 03.2 causal & padding for a batch -----------------------------------------------------------
@@ -72,14 +81,17 @@ def test_03_2_reference_is_correct():
 
 
 @pytest.mark.parametrize(
-    "answer", [batch_mask_queries_padded, batch_mask_not_causal, batch_mask_no_padding, batch_mask_unbroadcast]
+    "answer, hint",
+    [
+        (batch_mask_queries_padded, "instead of pad keys"),
+        (batch_mask_not_causal, "the causal part is missing"),
+        (batch_mask_no_padding, "ignores the lengths"),
+        (batch_mask_unbroadcast, "has shape"),
+    ],
 )
-def test_03_2_mistakes_are_wrong(answer):
-    assert grade("03.2", answer).status == WRONG
-
-
-def test_03_2_rows_instead_of_columns_hint():
-    assert "instead of pad keys" in grade("03.2", batch_mask_queries_padded).detail
+def test_03_2_mistakes_are_wrong(answer, hint):
+    verdict = grade("03.2", answer)
+    assert verdict.status == WRONG and hint in verdict.detail, str(verdict)
 
 
 # 03.3 sliding window -------------------------------------------------------------------------
@@ -103,45 +115,74 @@ def test_03_3_reference_is_correct():
     assert grade("03.3", window_mask).status == CORRECT
 
 
-@pytest.mark.parametrize("answer", [window_off_by_one, window_not_causal, lambda T, w: causal_mask(T)])
-def test_03_3_mistakes_are_wrong(answer):
-    assert grade("03.3", answer).status == WRONG
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (window_off_by_one, "min(i + 1, window) True entries"),
+        (window_not_causal, "keep it causal"),
+        (lambda T, w: causal_mask(T), "min(i + 1, window) True entries"),
+    ],
+    ids=["off-by-one", "not-causal", "no-window"],
+)
+def test_03_3_mistakes_are_wrong(answer, hint):
+    verdict = grade("03.3", answer)
+    assert verdict.status == WRONG and hint in verdict.detail, str(verdict)
 
 
-# 03.4 leak detector --------------------------------------------------------------------------
+# 03.4 leak detector for a language model (token ids in) -------------------------------------
 
-def detector(module, T, d_model, atol=1e-6, every_t=True, use_eval=True):
+def detector(model, T, vocab_size, atol=1e-6, every_t=True, use_eval=True, float_inputs=False,
+             whole_sequence=False, may_repeat=False, restore=True):
+    was_training = model.training
     if use_eval:
-        module.eval()
+        model.eval()
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, T, d_model, generator=g)
+    if float_inputs:
+        ids = torch.randn(2, T, generator=g)
+    else:
+        ids = torch.randint(vocab_size, (2, T), generator=g)
+    found = False
     with torch.no_grad():
-        base = module(x)
-        for t in range(T - 1) if every_t else [0]:
-            changed = x.clone()
-            changed[:, t + 1 :] = torch.randn(changed[:, t + 1 :].shape, generator=g)
-            if (module(changed)[:, : t + 1] - base[:, : t + 1]).abs().max() > atol:
-                return True
-    return False
+        base = model(ids)
+        for t in range(T - 1) if every_t else [T - 2]:
+            changed = ids.clone()
+            if may_repeat:
+                changed[:, t + 1 :] = torch.randint(vocab_size, changed[:, t + 1 :].shape, generator=g)
+            else:  # every new token differs from the old one
+                shift = torch.randint(1, vocab_size, changed[:, t + 1 :].shape, generator=g)
+                changed[:, t + 1 :] = (changed[:, t + 1 :] + shift) % vocab_size
+            upto = T if whole_sequence else t + 1
+            if (model(changed)[:, :upto] - base[:, :upto]).abs().max() > atol:
+                found = True
+                break
+    if restore:
+        model.train(was_training)
+    return found
 
 
 def test_03_4_reference_is_correct():
-    assert grade("03.4", detector).status == CORRECT
+    verdict = grade("03.4", detector)
+    assert verdict.status == CORRECT, str(verdict)
 
 
 @pytest.mark.parametrize(
-    "answer",
+    "answer, hint",
     [
-        lambda m, T, d: detector(m, T, d, atol=1e-3),  # too loose: misses a 1e-4 leak
-        lambda m, T, d: detector(m, T, d, every_t=False),  # only t = 0: misses a one-position leak
-        lambda m, T, d: detector(m, T, d, use_eval=False),  # dropout looks like a leak
-        lambda m, T, d: True,
-        lambda m, T, d: False,
+        (lambda m, T, V: detector(m, T, V, atol=1e-3), "tight tolerance"),
+        (lambda m, T, V: detector(m, T, V, every_t=False), "try every t"),
+        (lambda m, T, V: detector(m, T, V, use_eval=False), "call model.eval()"),
+        (lambda m, T, V: detector(m, T, V, float_inputs=True), "torch.randint"),
+        (lambda m, T, V: detector(m, T, V, whole_sequence=True), "only the outputs at positions <= t"),
+        (lambda m, T, V: detector(m, T, V, restore=False), "restore the mode"),
+        (lambda m, T, V: True, "reported as leaking"),
+        (lambda m, T, V: False, "reported as causal"),
     ],
-    ids=["loose", "only-t0", "no-eval", "always-true", "always-false"],
+    ids=["loose", "only-last-t", "no-eval", "float-inputs", "whole-sequence", "no-restore",
+         "always-true", "always-false"],
 )
-def test_03_4_mistakes_are_wrong(answer):
-    assert grade("03.4", answer).status == WRONG
+def test_03_4_mistakes_are_wrong(answer, hint):
+    verdict = grade("03.4", answer)
+    assert verdict.status == WRONG and hint in verdict.detail, str(verdict)
 
 
 # stubs ---------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 * 03.1 ``bottom_right_causal_mask(T_q, T_k)`` -> bool ``(T_q, T_k)``
 * 03.2 ``batch_attention_mask(lengths, T)`` -> bool ``(B, T, T)`` (causal & right padding)
 * 03.3 ``sliding_window_mask(T, window)`` -> bool ``(T, T)`` (causal, at most ``window`` keys per query)
-* 03.4 ``leaks(module, T, d_model)`` -> bool (does the module let the future move the past?)
+* 03.4 ``leaks(model, T, vocab_size)`` -> bool (does a language model, token ids in and logits
+  out, let a later token move an earlier output?)
 
 The graders draw their random inputs from a local ``torch.Generator``; ``grade`` runs
 them inside ``torch.random.fork_rng``, so checking an answer never changes the
@@ -133,34 +134,74 @@ class _RunningMean(nn.Module):
         return torch.tanh(self.proj(x.cumsum(1) / counts))  # (B, T, d_model) -> (B, T, out_dim)
 
 
+class _TinyLM(nn.Module):
+    """Token ids ``(B, T)`` -> logits ``(B, T, vocab_size)``: an embedding, a layer, a readout."""
+
+    def __init__(self, vocab_size: int, d_model: int, layer: nn.Module, out_dim: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.layer = layer
+        self.readout = nn.Linear(out_dim, vocab_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            kind = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise TypeError(
+                f"this model reads token ids, an integer tensor of shape (B, T), got {kind}: "
+                "draw them with torch.randint(vocab_size, (B, T)), not torch.randn"
+            )
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            raise IndexError(
+                f"token ids must lie in [0, vocab_size={self.vocab_size}), got ids from "
+                f"{int(ids.min())} to {int(ids.max())}"
+            )
+        return self.readout(self.layer(self.embed(ids)))  # (B, T) -> (B, T, vocab_size)
+
+
 @exercise("03.4")
 def check_leak_detector(fn) -> None:
-    """Check a leak detector on causal modules and on modules that leak in different ways."""
-    T, d_model, head_dim = 7, 8, 4
+    """Check a leak detector for language models (token ids in, logits out)."""
+    T, vocab_size, d_model, head_dim = 7, 5, 8, 4
     torch.manual_seed(30)
-    causal = CausalAttention(d_model, head_dim, block_size=16)
-    causal_dropout = CausalAttention(d_model, head_dim, block_size=16, dropout=0.2).train()
-    running_mean = _RunningMean(d_model, head_dim)
-    full = SelfAttentionV2(d_model, head_dim)
-    tiny = _LeakTokenEverywhere(CausalAttention(d_model, head_dim, block_size=16), size=1e-4)
-    peek = _PeekOneAhead(CausalAttention(d_model, head_dim, block_size=16), position=3)
-    modules = [
-        ("attnlib.CausalAttention", causal, False, "a causal head was reported as leaking"),
-        ("a causal head with dropout 0.2, in training mode", causal_dropout, False,
-         "dropout makes two runs differ by chance: call module.eval() before comparing"),
-        ("a causal running mean", running_mean, False, "a causal module was reported as leaking"),
-        ("a head without mask", full, True, "a head that sees everything was reported as causal"),
-        ("a causal head plus 1e-4 times the last input", tiny, True,
-         "a leak of size 1e-4 went unnoticed: use a tight tolerance (1e-6), not a loose allclose"),
-        ("a head whose output 3 also reads input 4", peek, True,
-         "a leak from position 4 into position 3 only went unnoticed: try every t, redraw the inputs after t, "
-         "compare the outputs up to t"),
+
+    def lm(layer: nn.Module) -> _TinyLM:
+        return _TinyLM(vocab_size, d_model, layer, head_dim)
+
+    def causal_head(dropout: float = 0.0) -> CausalAttention:
+        return CausalAttention(d_model, head_dim, block_size=16, dropout=dropout)
+
+    models = [
+        ("a causal model", lm(causal_head()), False,
+         "a causal model was reported as leaking: compare only the outputs at positions <= t "
+         "(the outputs after t may change), and use the same model both times"),
+        ("a causal model with dropout 0.2, in training mode", lm(causal_head(0.2)).train(), False,
+         "dropout makes two runs differ by chance: call model.eval() before comparing "
+         "(and restore its mode afterwards)"),
+        ("a causal running mean", lm(_RunningMean(d_model, head_dim)), False,
+         "a causal model was reported as leaking: compare only the outputs at positions <= t"),
+        ("a model without mask", lm(SelfAttentionV2(d_model, head_dim)), True,
+         "a model that sees everything was reported as causal"),
+        ("a causal model plus 1e-4 times the last input", lm(_LeakTokenEverywhere(causal_head(), 1e-4)),
+         True, "a leak of size 1e-4 went unnoticed: use a tight tolerance (1e-6), not a loose allclose"),
+        ("a model whose output 3 also reads token 4", lm(_PeekOneAhead(causal_head(), position=3)), True,
+         "a leak from position 4 into position 3 only went unnoticed: try every t, change the tokens "
+         "after t and compare the outputs up to t; and make sure each new token differs from the "
+         "old one (with a small vocabulary a random redraw often gives back the same token)"),
     ]
     # The learner's detector probably draws from the global generator: seed it so the verdict is
     # reproducible (grade() forks the RNG, so the notebook's random state is untouched).
     torch.manual_seed(31)
-    for name, module, should_leak, hint in modules:
-        answer = fn(module, T, d_model)
-        expect(isinstance(answer, bool) or (isinstance(answer, torch.Tensor) and answer.numel() == 1),
-               f"leaks(...) should return True or False, got {type(answer).__name__}")
+    for name, model, should_leak, hint in models:
+        was_training = model.training
+        answer = fn(model, T, vocab_size)
+        expect(
+            isinstance(answer, bool) or (isinstance(answer, torch.Tensor) and answer.numel() == 1),
+            f"leaks(...) should return True or False, got {type(answer).__name__}",
+        )
         expect(bool(answer) == should_leak, f"on {name}: {hint}")
+        expect(
+            model.training == was_training,
+            f"on {name}: leaks() left the model in {'training' if model.training else 'evaluation'} "
+            "mode; restore the mode it had (module.train(was_training))",
+        )
