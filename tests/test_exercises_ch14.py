@@ -1,4 +1,6 @@
 """The chapter 14 exercise checks: a reference answer is correct, plausible mistakes are wrong, a stub is not solved."""
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -143,12 +145,70 @@ def hf_key_no_transpose(name, tensor):
     return None if answer is None else (answer[0], tensor)
 
 
+# ---------------------------------------------------------------- 14.5
+RESIDUAL = ("attn.out_proj.weight", "mlp.proj.weight")
+
+
+def _gpt2_like_init(model, residual_std, other_std, ln_weight=1.0, draw="normal"):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.fill_(ln_weight if ("ln_" in name and name.endswith("weight")) else 0.0)
+                continue
+            std = residual_std if name.endswith(RESIDUAL) else other_std(name)
+            if draw == "normal":
+                p.normal_(0.0, std)
+            else:
+                p.uniform_(-std * 3**0.5, std * 3**0.5)  # the same std, not a normal
+
+
+def gpt2_init_(model):
+    _gpt2_like_init(model, 0.02 / math.sqrt(2 * model.config.n_layers), lambda name: 0.02)
+
+
+def gpt2_init_unscaled(model):
+    _gpt2_like_init(model, 0.02, lambda name: 0.02)
+
+
+def gpt2_init_sqrt_n_layers(model):
+    _gpt2_like_init(model, 0.02 / math.sqrt(model.config.n_layers), lambda name: 0.02)
+
+
+def gpt2_init_every_block_scaled(model):
+    scaled = 0.02 / math.sqrt(2 * model.config.n_layers)
+    _gpt2_like_init(model, scaled, lambda name: scaled if name.startswith("blocks.") else 0.02)
+
+
+def gpt2_init_layernorm_zero(model):
+    _gpt2_like_init(model, 0.02 / math.sqrt(2 * model.config.n_layers), lambda name: 0.02,
+                    ln_weight=0.0)
+
+
+def gpt2_init_uniform(model):
+    _gpt2_like_init(model, 0.02 / math.sqrt(2 * model.config.n_layers), lambda name: 0.02,
+                    draw="uniform")
+
+
+def gpt2_init_library(model):
+    model.reset_parameters()
+
+
+def gpt2_init_new_tensors(model):
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module is not model.lm_head:
+            module.weight = nn.Parameter(torch.empty_like(module.weight))
+    gpt2_init_(model)
+
+
 CASES = {
     "14.1": (copy_head, [copy_head_shared, copy_head_no_transpose, copy_head_reshape]),
     "14.2": (wrapper_with_width, [wrapper_head_dim_d_out, wrapper_no_check, wrapper_one_head]),
     "14.3": (gpt2_attention, [gpt2_attention_all_bias_off, gpt2_attention_no_block_size, gpt2_attention_8_heads]),
     "14.4": (hf_key, [hf_key_transpose_when_needed, hf_key_keeps_buffers, hf_key_transposes_everything,
                       hf_key_no_transpose]),
+    "14.5": (gpt2_init_, [gpt2_init_unscaled, gpt2_init_sqrt_n_layers, gpt2_init_every_block_scaled,
+                          gpt2_init_layernorm_zero, gpt2_init_uniform, gpt2_init_library,
+                          gpt2_init_new_tensors]),
 }
 
 
@@ -181,6 +241,14 @@ def test_hints_name_the_mistake():
     assert "causal-mask buffer" in grade("14.4", hf_key_keeps_buffers).detail
     assert "needs no transpose" in grade("14.4", hf_key_transposes_everything).detail
     assert "Conv1D" in grade("14.4", hf_key_no_transpose).detail
+    assert "as every other weight" in grade("14.5", gpt2_init_unscaled).detail
+    assert "N = 2 * n_layers" in grade("14.5", gpt2_init_sqrt_n_layers).detail
+    assert "Only attn.out_proj and mlp.proj" in grade("14.5", gpt2_init_every_block_scaled).detail
+    assert "LayerNorm starts as the identity" in grade("14.5", gpt2_init_layernorm_zero).detail
+    assert "not a normal distribution" in grade("14.5", gpt2_init_uniform).detail
+    assert "do not call GPT.reset_parameters" in grade("14.5", gpt2_init_library).detail
+    assert "stay the same tensors" in grade("14.5", gpt2_init_new_tensors).detail
+    assert grade("14.5", stub).status == NOT_SOLVED
 
 
 def test_lm_head_may_be_skipped_or_mapped():
