@@ -36,6 +36,16 @@ def _reference_weights(q, k, mix_logits, mix_weights, mask):
     return weights
 
 
+def _mask_then_mix(q, k, mix_logits, mix_weights, mask, zero_masked, fill=-1e9):
+    """The mistake of masking with a finite number before the pre-softmax mixing."""
+    logits = torch.einsum("brie,brje->brij", q, k) / math.sqrt(q.shape[-1])
+    logits = torch.einsum("brij,sr->bsij", logits.masked_fill(~mask, fill), mix_logits)
+    weights = torch.softmax(logits, dim=-1)
+    if zero_masked:
+        weights = weights.masked_fill(~mask, 0.0)
+    return torch.einsum("bsij,us->buij", weights, mix_weights)
+
+
 def _cases_05_1(g: torch.Generator):
     """(description, q, k, mix_logits, mix_weights, mask); each mask has the scores' rank, 4."""
     cases = []
@@ -84,6 +94,13 @@ def check_talking_heads_weights(fn) -> None:
         for hint, args in alternatives:
             if torch.allclose(answer, _reference_weights(*args), atol=1e-5, rtol=1e-4):
                 expect(False, f"{label}: {hint}")
+        if mask is not None:
+            for zero_masked in (True, False):
+                masked_first = _mask_then_mix(q, k, P_l, P_w, mask, zero_masked)
+                if torch.allclose(answer, masked_first, atol=1e-5, rtol=1e-4):
+                    expect(False, f"{label}: you masked the logits (with a finite number) before mixing them; "
+                                  f"a negative entry of mix_logits turns -1e9 into +1e9 and a masked key wins. "
+                                  f"Mix first, then mask with -inf")
         if mask is not None:
             hidden = ~mask.expand_as(expected)
             expect(bool((answer[hidden] == 0).all()),
