@@ -1,4 +1,4 @@
-"""The chapter 08 exercise checks: a reference answer is correct, a plausible mistake is wrong, a stub is not solved."""
+"""The chapter 08 exercise checks: a reference answer is correct, a plausible mistake is wrong."""
 import math
 
 import pytest
@@ -6,94 +6,94 @@ import torch
 
 from attnlib import GPT, GPTConfig
 from attnlib.attention import ATTENTION_REGISTRY
-from attnlib.book.exercises import CORRECT, WRONG, grade
-from attnlib.cache import KVCache
+from attnlib.book.exercises import CORRECT, NOT_SOLVED, WRONG, grade
+from attnlib.cache import KVCache, LayerCache
+from attnlib.functional import attention
 
 
 # ---------------------------------------------------------------- 08.1
-class MiniCache:
-    def __init__(self, max_len):
-        self.max_len, self.length = max_len, 0
+class RingCache:
+    def __init__(self, window):
+        self.window, self.seen = window, 0
         self.k = self.v = None
 
     def update(self, k, v):
-        end = self.length + k.shape[-2]
-        if end > self.max_len:
-            raise ValueError(f"{self.length} cached + {k.shape[-2]} new > max_len={self.max_len}")
         if self.k is None:
-            self.k = k.new_zeros(*k.shape[:-2], self.max_len, k.shape[-1])
-            self.v = v.new_zeros(*v.shape[:-2], self.max_len, v.shape[-1])
-        self.k[..., self.length : end, :] = k
-        self.v[..., self.length : end, :] = v
-        self.length = end
-        return self.k[..., :end, :], self.v[..., :end, :]
+            self.k = k.new_zeros(*k.shape[:-2], self.window, k.shape[-1])
+            self.v = v.new_zeros(*v.shape[:-2], self.window, v.shape[-1])
+        slot = self.seen % self.window
+        self.k[..., slot : slot + 1, :] = k
+        self.v[..., slot : slot + 1, :] = v
+        self.seen += 1
+        n = min(self.seen, self.window)
+        return self.k[..., :n, :], self.v[..., :n, :]
 
 
-class CatCache(MiniCache):
-    """Right values, but a new tensor at every step."""
+class RingKeepsEverything:
+    """A plain growing cache: no eviction."""
+
+    def __init__(self, window):
+        self.cache = LayerCache(max_len=64)
 
     def update(self, k, v):
-        if self.length + k.shape[-2] > self.max_len:
-            raise ValueError("full")
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=-2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=-2)
-        self.length += k.shape[-2]
-        return self.k, self.v
+        return self.cache.update(k=k, v=v)
 
 
-class WholeBufferCache(MiniCache):
+class RingWholeBuffer(RingCache):
     def update(self, k, v):
         super().update(k, v)
+        return self.k, self.v  # the empty slots too
+
+
+class RingOffByOne(RingCache):
+    def __init__(self, window):
+        super().__init__(window)
+        self.window = max(1, window - 1)  # "the new one plus window - 1 old ones", minus one
+
+
+class RingEvictsNewest(RingCache):
+    def update(self, k, v):
+        if self.k is None:
+            self.k = k.new_zeros(*k.shape[:-2], self.window, k.shape[-1])
+            self.v = v.new_zeros(*v.shape[:-2], self.window, v.shape[-1])
+        slot = min(self.seen, self.window - 1)  # once full, always the last slot
+        self.k[..., slot : slot + 1, :] = k
+        self.v[..., slot : slot + 1, :] = v
+        self.seen += 1
+        n = min(self.seen, self.window)
+        return self.k[..., :n, :], self.v[..., :n, :]
+
+
+class RingCat:
+    """Right values, but a new tensor at every step."""
+
+    def __init__(self, window):
+        self.window, self.k, self.v = window, None, None
+
+    def update(self, k, v):
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=-2)[..., -self.window :, :]
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=-2)[..., -self.window :, :]
         return self.k, self.v
 
 
-class NoOverflowCheckCache(MiniCache):
-    def update(self, k, v):
-        self.max_len = 10**6 if self.k is None else self.max_len  # never refuses
-        if self.k is None:
-            self.k = k.new_zeros(*k.shape[:-2], 16, k.shape[-1])
-            self.v = v.new_zeros(*v.shape[:-2], 16, v.shape[-1])
-        end = self.length + k.shape[-2]
-        self.k[..., self.length : end, :] = k
-        self.v[..., self.length : end, :] = v
-        self.length = end
-        return self.k[..., :end, :], self.v[..., :end, :]
+class RingShared:
+    """The rings on the class: caches of the same window share one."""
 
+    rings = {}
 
-class Float32Cache(MiniCache):
-    def update(self, k, v):
-        return super().update(k.float(), v.float())
-
-
-class LengthNotAdvancedCache(MiniCache):
-    def update(self, k, v):
-        k_all, v_all = super().update(k, v)
-        self.length -= k.shape[-2]  # forgot to move the write position
-        return k_all, v_all
-
-
-class SharedStateCache:
-    """Buffers on the class: every instance shares them."""
-
-    state = {"length": 0}
-
-    def __init__(self, max_len):
-        SharedStateCache.state = {"length": 0, "cache": MiniCache(max_len)}
-
-    @property
-    def length(self):
-        return SharedStateCache.state["cache"].length
+    def __init__(self, window):
+        self.ring = RingShared.rings.setdefault(window, RingCache(window))
 
     def update(self, k, v):
-        return SharedStateCache.state["cache"].update(k, v)
+        return self.ring.update(k, v)
 
 
-class MiniCacheStub:
-    def __init__(self, max_len):
-        self.length = 0
+class RingStub:
+    def __init__(self, window):
+        self.window = window
 
     def update(self, k, v):
-        raise NotImplementedError("allocate, write, return views")
+        raise NotImplementedError("a ring of window slots")
 
 
 # ---------------------------------------------------------------- 08.2
@@ -110,11 +110,15 @@ def cached_attention(q, k_cache, v_cache):
 def cached_attention_sdpa(q, k_cache, v_cache):
     T_new, T_k = q.shape[-2], k_cache.shape[-2]
     mask = torch.ones(T_new, T_k, dtype=torch.bool).tril(diagonal=T_k - T_new)
-    return torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k_cache, v_cache, attn_mask=mask, enable_gqa=True
+    )
 
 
 def cached_attention_is_causal(q, k_cache, v_cache):  # SDPA's top-left alignment
-    return torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache, is_causal=True, enable_gqa=True)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k_cache, v_cache, is_causal=True, enable_gqa=True
+    )
 
 
 def cached_attention_no_mask(q, k_cache, v_cache):  # right for one new token only
@@ -123,7 +127,9 @@ def cached_attention_no_mask(q, k_cache, v_cache):  # right for one new token on
 
 def cached_attention_tiled(q, k_cache, v_cache):
     group = q.shape[1] // k_cache.shape[1]
-    return cached_attention_sdpa(q, k_cache.repeat(1, group, 1, 1), v_cache.repeat(1, group, 1, 1))
+    return cached_attention_sdpa(
+        q, k_cache.repeat(1, group, 1, 1), v_cache.repeat(1, group, 1, 1)
+    )
 
 
 def cached_attention_unscaled(q, k_cache, v_cache):
@@ -137,36 +143,59 @@ def cached_attention_appends_in_place(q, k_cache, v_cache):
 
 
 # ---------------------------------------------------------------- 08.3
-def kv_cache_bytes(config, batch_size, context, dtype):  # the sizes as given; None = the config's default
-    n_kv_heads = config.n_heads if config.n_kv_heads is None else config.n_kv_heads
+def kv_cache_bytes(config, batch_size, context, dtype):
     per_layer = {
         "mha": 2 * config.n_heads * config.head_dim,
         "talking_heads": 2 * config.n_heads * config.head_dim,
-        "gqa": 2 * n_kv_heads * config.head_dim,
+        "gqa": 2 * config.kv_heads * config.head_dim,
         "mqa": 2 * config.head_dim,
-        "mla": config.d_model // 4 if config.kv_latent_dim is None else config.kv_latent_dim,
+        "mla": config.latent_dim,
     }[config.attention]
     return per_layer * config.n_layers * batch_size * context * dtype.itemsize
 
 
-def kv_cache_bytes_n_heads_everywhere(config, batch_size, context, dtype):  # kv heads = n_heads for every variant
-    per_layer = config.latent_dim if config.attention == "mla" else 2 * config.n_heads * config.head_dim
+def kv_cache_bytes_n_heads_everywhere(config, batch_size, context, dtype):
+    """kv heads = n_heads for every variant."""
+    if config.attention == "mla":
+        per_layer = config.latent_dim
+    else:
+        per_layer = 2 * config.n_heads * config.head_dim
     return per_layer * config.n_layers * batch_size * context * dtype.itemsize
 
 
-def kv_cache_bytes_given_sizes(config, batch_size, context, dtype):  # n_kv_heads is None when not given
-    per_layer = config.kv_latent_dim if config.attention == "mla" else 2 * config.n_kv_heads * config.head_dim
+def kv_cache_bytes_given_sizes(config, batch_size, context, dtype):
+    """n_kv_heads and kv_latent_dim are None when not given."""
+    if config.attention == "mla":
+        per_layer = config.kv_latent_dim
+    else:
+        per_layer = 2 * config.n_kv_heads * config.head_dim
     return per_layer * config.n_layers * batch_size * context * dtype.itemsize
 
 
 def kv_cache_bytes_mqa_all_heads(config, batch_size, context, dtype):
     if config.attention == "mqa":
-        return 2 * config.n_heads * config.head_dim * config.n_layers * batch_size * context * dtype.itemsize
+        per_layer = 2 * config.n_heads * config.head_dim
+        return per_layer * config.n_layers * batch_size * context * dtype.itemsize
     return kv_cache_bytes(config, batch_size, context, dtype)
 
 
 def kv_cache_bytes_float32_always(config, batch_size, context, dtype):
     return kv_cache_bytes(config, batch_size, context, torch.float32)
+
+
+def kv_cache_bytes_bits(config, batch_size, context, dtype):
+    bits = torch.finfo(dtype).bits
+    return kv_cache_bytes(config, batch_size, context, dtype) // dtype.itemsize * bits
+
+
+def kv_cache_bytes_no_factor_2(config, batch_size, context, dtype):
+    if config.attention == "mla":
+        return kv_cache_bytes(config, batch_size, context, dtype)
+    return kv_cache_bytes(config, batch_size, context, dtype) // 2
+
+
+def kv_cache_bytes_one_layer(config, batch_size, context, dtype):
+    return kv_cache_bytes(config, batch_size, context, dtype) // config.n_layers
 
 
 def kv_cache_bytes_no_batch(config, batch_size, context, dtype):
@@ -182,15 +211,67 @@ def kv_cache_bytes_mla_twice(config, batch_size, context, dtype):
     return factor * kv_cache_bytes(config, batch_size, context, dtype)
 
 
+def kv_cache_bytes_builds_a_model(config, batch_size, context, dtype):
+    per_token = GPT(config).kv_cache_bytes_per_token(dtype)
+    return per_token * batch_size * context
+
+
 def kv_cache_bytes_tensor(config, batch_size, context, dtype):
     return torch.tensor(kv_cache_bytes(config, batch_size, context, dtype))
 
 
+# ---------------------------------------------------------------- 08.4
+def chunked_prefill(model, idx, chunk_size):
+    cache = KVCache.for_model(model)
+    pieces = []
+    for start in range(0, idx.shape[1], chunk_size):
+        logits, _ = model(idx[:, start : start + chunk_size], cache=cache)
+        pieces.append(logits)
+    return torch.cat(pieces, dim=1), cache
+
+
+def chunked_prefill_no_cache(model, idx, chunk_size):
+    pieces = [model(idx[:, s : s + chunk_size])[0] for s in range(0, idx.shape[1], chunk_size)]
+    return torch.cat(pieces, dim=1), KVCache.for_model(model)
+
+
+def chunked_prefill_cache_per_chunk(model, idx, chunk_size):
+    pieces = []
+    for start in range(0, idx.shape[1], chunk_size):
+        cache = KVCache.for_model(model)
+        pieces.append(model(idx[:, start : start + chunk_size], cache=cache)[0])
+    return torch.cat(pieces, dim=1), cache
+
+
+def chunked_prefill_at_once(model, idx, chunk_size):
+    cache = KVCache.for_model(model)
+    return model(idx, cache=cache)[0], cache
+
+
+def chunked_prefill_last_only(model, idx, chunk_size):
+    cache = KVCache.for_model(model)
+    pieces = []
+    for start in range(0, idx.shape[1], chunk_size):
+        logits, _ = model(idx[:, start : start + chunk_size], cache=cache, last_only=True)
+        pieces.append(logits)
+    return torch.cat(pieces, dim=1), cache
+
+
+def chunked_prefill_drops_tail(model, idx, chunk_size):  # the last, shorter chunk is lost
+    cache = KVCache.for_model(model)
+    pieces = []
+    for start in range(0, idx.shape[1] - chunk_size + 1, chunk_size):
+        logits, _ = model(idx[:, start : start + chunk_size], cache=cache)
+        pieces.append(logits)
+    return torch.cat(pieces, dim=1), cache
+
+
 REFERENCE = [
-    ("08.1", MiniCache),
+    ("08.1", RingCache),
     ("08.2", cached_attention),
     ("08.2", cached_attention_sdpa),
     ("08.3", kv_cache_bytes),
+    ("08.4", chunked_prefill),
 ]
 
 
@@ -200,28 +281,41 @@ def test_reference_answer_is_correct(exercise_id, answer):
     assert verdict.status == CORRECT, str(verdict)
 
 
+def test_stub_is_not_solved():
+    assert grade("08.1", RingStub).status == NOT_SOLVED
+
+
 @pytest.mark.parametrize(
     "exercise_id, answer, hint",
     [
-        ("08.1", CatCache, "torch.cat"),
-        ("08.1", WholeBufferCache, "whole buffer"),
-        ("08.1", NoOverflowCheckCache, "must raise ValueError"),
-        ("08.1", Float32Cache, "dtype"),
-        ("08.1", LengthNotAdvancedCache, "length should now be"),
-        ("08.1", SharedStateCache, "on the instance"),
+        ("08.1", RingKeepsEverything, "keep only `window` slots"),
+        ("08.1", RingWholeBuffer, "empty slots"),
+        ("08.1", RingOffByOne, "off by one"),
+        ("08.1", RingEvictsNewest, "replacing the oldest"),
+        ("08.1", RingCat, "new memory"),
+        ("08.1", RingShared, "on the instance"),
         ("08.2", cached_attention_is_causal, "top-left"),
         ("08.2", cached_attention_no_mask, "a mask is needed"),
         ("08.2", cached_attention_tiled, "repeat_interleave"),
         ("08.2", cached_attention_unscaled, "sqrt(head_dim)"),
         ("08.2", cached_attention_appends_in_place, "changed q, k_cache or v_cache"),
-        ("08.3", kv_cache_bytes_n_heads_everywhere, "GQA caches n_kv_heads key/value heads, not n_heads"),
+        ("08.3", kv_cache_bytes_n_heads_everywhere, "GQA caches n_kv_heads key/value heads"),
         ("08.3", kv_cache_bytes_given_sizes, "config.kv_heads and config.latent_dim"),
         ("08.3", kv_cache_bytes_mqa_all_heads, "one key/value head"),
         ("08.3", kv_cache_bytes_float32_always, "bytes per number"),
+        ("08.3", kv_cache_bytes_bits, "bits, not bytes"),
+        ("08.3", kv_cache_bytes_no_factor_2, "a factor 2"),
+        ("08.3", kv_cache_bytes_one_layer, "multiply by n_layers"),
         ("08.3", kv_cache_bytes_no_batch, "batch_size"),
         ("08.3", kv_cache_bytes_reserved, "block_size"),
         ("08.3", kv_cache_bytes_mla_twice, "latent once"),
         ("08.3", kv_cache_bytes_tensor, "Python int"),
+        ("08.3", kv_cache_bytes_builds_a_model, "do not build a model"),
+        ("08.4", chunked_prefill_no_cache, "got no cache"),
+        ("08.4", chunked_prefill_cache_per_chunk, "different caches"),
+        ("08.4", chunked_prefill_at_once, "more than chunk_size"),
+        ("08.4", chunked_prefill_last_only, "(B, T, vocab_size)"),
+        ("08.4", chunked_prefill_drops_tail, "leave tokens out"),
     ],
 )
 def test_plausible_mistake_is_wrong(exercise_id, answer, hint):
@@ -232,7 +326,10 @@ def test_plausible_mistake_is_wrong(exercise_id, answer, hint):
 
 def test_reference_answers_agree_with_the_library():
     """The references are what attnlib's cache does, not a second opinion."""
-    config = GPTConfig(vocab_size=11, block_size=8, n_layers=2, n_heads=4, n_kv_heads=2, d_model=16, attention="gqa")
+    config = GPTConfig(
+        vocab_size=11, block_size=8, n_layers=2, n_heads=4, n_kv_heads=2, d_model=16,
+        attention="gqa",
+    )
     tokens = torch.randint(0, 11, (3, 5), generator=torch.Generator().manual_seed(0))
     for name in ATTENTION_REGISTRY:
         # 08.3: the formula equals the bytes measured on a KVCache after a prefill of 5 tokens
@@ -242,7 +339,8 @@ def test_reference_answers_agree_with_the_library():
         cache = KVCache.for_model(model)
         with torch.no_grad():
             model(tokens, cache=cache)
-        assert kv_cache_bytes(model.config, 3, 5, torch.float32) == cache.bytes_per_token() * 3 * 5
+        expected = cache.bytes_per_token() * 3 * 5
+        assert kv_cache_bytes(model.config, 3, 5, torch.float32) == expected
     # 08.2: the answer is the last rows of a GQA layer's attention over the whole sequence
     layer = ATTENTION_REGISTRY["gqa"](config).eval()
     x = torch.randn(2, 6, config.d_model)
@@ -250,7 +348,12 @@ def test_reference_answers_agree_with_the_library():
         q, k, v = layer.project(x)
         full, _ = layer.attend(q, k, v, None, True, False)
         torch.testing.assert_close(cached_attention(q[:, :, -2:], k, v), full[:, :, -2:])
-    # 08.1: the reference behaves like LayerCache inside a model layer
-    mini = MiniCache(8)
-    outs = [mini.update(k[:, :, t : t + 1], v[:, :, t : t + 1]) for t in range(6)]
-    assert torch.equal(outs[-1][0], k) and mini.length == 6
+    # 08.1: with a window as long as the text, the ring is a plain cache
+    ring, window = RingCache(3), 3
+    for t in range(6):
+        k_win, v_win = ring.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        lo = max(0, t - window + 1)
+        q_t = q[:, :2, t : t + 1]  # the first group's heads read kv head 0
+        got = attention(q_t, k_win[:, :1], v_win[:, :1])[0]
+        want = attention(q_t, k[:, :1, lo : t + 1], v[:, :1, lo : t + 1])[0]
+        torch.testing.assert_close(got, want)
