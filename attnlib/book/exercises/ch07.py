@@ -4,8 +4,10 @@
   queries (DeepSeek-V2 §2.1.2), never decoding the keys.
 * 07.2 ``check_fold_output``: the per-head output matrices ``(W^O_h W^UV_h)^T`` that map weighted
   latents straight to the output.
-* 07.3 ``check_kv_cache_bytes``: the KV-cache size of a whole model for MHA, GQA, MQA and MLA
-  (DeepSeek-V2, Table 1), the variant named by ``config.attention``.
+* 07.3 ``check_absorbed_decode_step``: one decoding step of MLA with a decoupled rotary key
+  (DeepSeek-V2 §2.1.3): the cache holds the latent ``c`` and the shared rotated key ``k^R``; the
+  score is the absorbed content part plus ``q^R . k^R``. Checked at every position against the
+  naive computation written out here, and its cost against decoding the keys.
 
 Every grader draws its test tensors from a local ``torch.Generator``; ``grade`` runs it inside
 ``torch.random.fork_rng``, so checking an answer never moves the notebook's global random state.
@@ -15,12 +17,12 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from attnlib.book.exercises._core import NotSolved, Wrong, call_for_int, exercise, expect, expect_close
-from attnlib.config import GPTConfig
+from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect, expect_close
 
-__all__ = ["check_absorbed_scores", "check_fold_output", "check_kv_cache_bytes"]
+__all__ = ["check_absorbed_scores", "check_fold_output", "check_absorbed_decode_step", "rope"]
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -165,76 +167,168 @@ def check_fold_output(fold_output) -> None:
 
 
 # ---------------------------------------------------------------- 07.3
-_SIZES = [  # (sizes, n_kv_heads for "gqa", kv_latent_dim for "mla"): None = not given, the config's default
-    (dict(), None, None),  # the book's small model: 4 layers, 4 heads of 16; gqa then has 4 kv heads, d_c = 16
-    (dict(n_layers=3), 2, 24),
-    (dict(d_model=96, n_heads=6, n_layers=5), 3, 20),
-    (dict(d_model=16384, n_heads=128, n_layers=60), 8, 512),  # DeepSeek-V2-sized attention
+def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding of chapter 07: pairs ``(x[..., 2i], x[..., 2i+1])`` turned by ``t * base**(-2i/w)``.
+
+    Args:
+        x: ``(..., T, w)``, ``w`` even.
+        positions: ``(T,)`` integer positions of the ``T`` rows.
+
+    Returns:
+        ``(..., T, w)``, the rotated rows.
+    """
+    width = x.shape[-1]
+    theta = base ** (-torch.arange(0, width, 2, dtype=x.dtype) / width)  # (w/2,)
+    angles = positions.to(x.dtype)[:, None] * theta  # (T, w/2)
+    cos, sin = angles.cos(), angles.sin()
+    x_even, x_odd = x[..., 0::2], x[..., 1::2]
+    rotated = torch.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], dim=-1)
+    return rotated.flatten(-2)
+
+
+class _DecoupledLayer(nn.Module):
+    """The weights of chapter 07's ``DecoupledRopeLatentAttention``, under the same names."""
+
+    def __init__(self, d_model: int, n_heads: int, d_c: int, rope_dim: int, g: torch.Generator) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, d_model // n_heads
+        self.kv_latent_dim, self.rope_dim = d_c, rope_dim
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.kv_down = nn.Linear(d_model, d_c, bias=False)
+        self.k_up = nn.Linear(d_c, d_model, bias=False)
+        self.v_up = nn.Linear(d_c, d_model, bias=False)
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.q_rope = nn.Linear(d_model, n_heads * rope_dim, bias=False)
+        self.k_rope = nn.Linear(d_model, rope_dim, bias=False)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+
+
+def _split(t: torch.Tensor, n_heads: int) -> torch.Tensor:
+    B, T, _ = t.shape
+    return t.view(B, T, n_heads, -1).transpose(1, 2)  # (B, T, n_heads*w) -> (B, n_heads, T, w)
+
+
+def _naive_decoupled(layer: _DecoupledLayer, x: torch.Tensor, variant: str = "right") -> torch.Tensor:
+    """Causal decoupled-RoPE MLA on the whole sequence, keys and values decoded: (B, T, d_model).
+
+    ``variant`` computes a known mistake instead: ``"scale_head_dim"``, ``"scale_d_c"``,
+    ``"no_rope"``, ``"query_shift_-1"`` / ``"query_shift_1"`` / ``"query_at_0"`` (the new query
+    rotated at the wrong position).
+    """
+    B, T, d = x.shape
+    h, hd, rd = layer.n_heads, layer.head_dim, layer.rope_dim
+    pos = torch.arange(T)
+    c = layer.kv_down(x)  # (B, T, d_c)
+    k_r = rope(layer.k_rope(x), pos)  # (B, T, rd): one per token, shared by the heads
+    q_pos = {"query_shift_-1": pos - 1, "query_shift_1": pos + 1, "query_at_0": pos * 0}.get(variant, pos)
+    q_r = rope(_split(layer.q_rope(x), h), q_pos)  # (B, h, T, rd)
+    q_c, k_c, v = _split(layer.q_proj(x), h), _split(layer.k_up(c), h), _split(layer.v_up(c), h)
+    scores = q_c @ k_c.transpose(-2, -1)
+    if variant != "no_rope":
+        scores = scores + q_r @ k_r.unsqueeze(1).transpose(-2, -1)  # (B, h, T, T)
+    width = {"scale_head_dim": hd, "scale_d_c": layer.kv_latent_dim + rd}.get(variant, hd + rd)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    w = (scores / math.sqrt(width)).masked_fill(future, float("-inf")).softmax(-1)
+    return layer.out_proj((w @ v).transpose(1, 2).reshape(B, T, d))
+
+
+_DECODE_CASES = [  # (B, d_model, n_heads, d_c, rope_dim, T)
+    (2, 32, 4, 24, 4, 6),  # d_c = 3 head_dim: a scale by the wrong width shows
+    (1, 48, 6, 16, 4, 5),
+    (3, 16, 2, 12, 8, 4),
 ]
-_CACHE_CALLS = [  # (seq_len, rope_dim, dtype_bytes)
-    (1, 0, 4),
-    (1000, 8, 2),
-    (131072, 64, 2),
-    (7, 0, 2),
-]
-_VARIANTS = ("mha", "gqa", "mqa", "mla")
 
 
-def _configs() -> list[tuple[GPTConfig, int]]:
-    """One config per size and variant, with the numbers Table 1 counts per token per layer (rope_dim aside)."""
-    out = []
-    for sizes, n_kv, d_c in _SIZES:
-        base = GPTConfig(**sizes)
-        n_h, d_h = base.n_heads, base.head_dim
-        out += [
-            (base, 2 * n_h * d_h),
-            (GPTConfig(**sizes, n_kv_heads=n_kv, attention="gqa"), 2 * (n_h if n_kv is None else n_kv) * d_h),
-            (GPTConfig(**sizes, attention="mqa"), 2 * d_h),
-            (GPTConfig(**sizes, kv_latent_dim=d_c, attention="mla"), base.d_model // 4 if d_c is None else d_c),
-        ]
-    return out
-
-
-_CACHE_CONFIGS = _configs()
+def _decode_cost(B: int, T: int, layer: _DecoupledLayer) -> int:
+    """FLOPs of decoding the keys of T cached latents (what the absorbed form never does)."""
+    return 2 * B * T * layer.kv_latent_dim * layer.n_heads * layer.head_dim
 
 
 @exercise("07.3")
-def check_kv_cache_bytes(kv_cache_bytes) -> None:
-    """Check ``kv_cache_bytes(config, seq_len, rope_dim, dtype_bytes) -> int`` against Table 1, variant ``config.attention``."""
-    for config, table1 in _CACHE_CONFIGS:
-        variant = config.attention
-        for seq_len, rope_dim, dtype_bytes in _CACHE_CALLS:
-            case = (
-                f"kv_cache_bytes(attention={variant!r}, n_layers={config.n_layers}, n_heads={config.n_heads}, "
-                f"n_kv_heads={config.n_kv_heads}, head_dim={config.head_dim}, kv_latent_dim={config.kv_latent_dim}; "
-                f"seq_len={seq_len}, rope_dim={rope_dim}, dtype_bytes={dtype_bytes})"
+def check_absorbed_decode_step(absorbed_decode_step) -> None:
+    """Check ``absorbed_decode_step(layer, x_new, cache, rope) -> (out, (c, k_r))`` at every position."""
+    g = torch.Generator().manual_seed(7073)
+    for B, d_model, n_heads, d_c, rope_dim, T in _DECODE_CASES:
+        layer = _DecoupledLayer(d_model, n_heads, d_c, rope_dim, g)
+        x = torch.randn(B, T, d_model, generator=g)
+        with torch.no_grad():
+            full = _naive_decoupled(layer, x)  # (B, T, d_model)
+            c_all = layer.kv_down(x)  # (B, T, d_c)
+            kr_all = rope(layer.k_rope(x), torch.arange(T))  # (B, T, rope_dim)
+            wrong = {v: _naive_decoupled(layer, x, v) for v in (
+                "scale_head_dim", "scale_d_c", "no_rope", "query_shift_-1", "query_shift_1", "query_at_0")}
+        sizes = f"(B={B}, d_model={d_model}, n_heads={n_heads}, d_c={d_c}, rope_dim={rope_dim})"
+        for t in range(T):
+            case = f"{sizes}, position {t} ({t} tokens cached)"
+            cache = (c_all[:, :t].clone(), kr_all[:, :t].clone())
+            with torch.no_grad():
+                result = absorbed_decode_step(layer, x[:, t : t + 1], cache, rope)
+            if result is None:
+                raise NotSolved("return (output, (latents, rotary keys)), not None")
+            expect(
+                isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], tuple)
+                and len(result[1]) == 2,
+                f"return a pair (output, (latents, rotary keys)); got {type(result).__name__}",
             )
-            got = call_for_int(kv_cache_bytes, (config, seq_len, rope_dim, dtype_bytes), case, config)
-            per_token = table1 + (rope_dim if variant == "mla" else 0)
-            scale = config.n_layers * seq_len * dtype_bytes
-            expected = per_token * scale
-            if got == expected:
+            out, (c_new, kr_new) = result
+            expect_close(c_new, c_all[:, : t + 1], f"{case}: the returned latent cache (B, T+1, d_c)")
+            expect(
+                isinstance(kr_new, torch.Tensor) and tuple(kr_new.shape) == (B, t + 1, rope_dim),
+                f"{case}: the returned rotary-key cache should have shape {(B, t + 1, rope_dim)}",
+            )
+            if not torch.allclose(kr_new, kr_all[:, : t + 1], atol=1e-5, rtol=1e-4):
+                raw = layer.k_rope(x[:, t : t + 1])
+                expect(
+                    t == 0 or not torch.allclose(kr_new[:, t:], raw, atol=1e-5, rtol=1e-4),
+                    f"{case}: the new rotary key is cached unrotated; rotate W^KR x at its "
+                    f"own position ({t}) once, and cache it rotated",
+                )
+                raise Wrong(
+                    f"{case}: the new rotary key is not R_t W^KR x_t at position t = {t} (the "
+                    "number of cached tokens), or the cached ones changed"
+                )
+            expect(
+                isinstance(out, torch.Tensor) and tuple(out.shape) == (B, 1, d_model),
+                f"{case}: the output should be a tensor of shape {(B, 1, d_model)}",
+            )
+            expected = full[:, t : t + 1]
+            if torch.allclose(out, expected, atol=1e-5, rtol=1e-4):
                 continue
-            case = f"{case} = {got:,}, expected {expected:,}"
-            mistakes = [
-                (per_token * seq_len * dtype_bytes, "multiply by config.n_layers: every layer has its own cache"),
-                (per_token * config.n_layers * seq_len, "multiply by dtype_bytes: the cache holds numbers of that many bytes"),
-                (per_token * config.n_layers * dtype_bytes, "multiply by seq_len: one entry per token"),
-            ]
-            if variant == "mla":
-                mistakes += [
-                    (table1 * scale, "the decoupled RoPE key k^R_t (rope_dim numbers per token) is cached next to the latent"),
-                    (2 * table1 * scale, "the latent is shared by keys and values: cache d_c + rope_dim numbers, not twice d_c"),
-                    (2 * per_token * scale, "the latent is shared by keys and values: cache d_c + rope_dim numbers, not twice that"),
-                ]
-            else:
-                mistakes += [
-                    ((per_token + rope_dim) * scale, "rope_dim only concerns MLA's decoupled key; MHA, GQA and MQA rotate their keys in place"),
-                    (per_token // 2 * scale, "keys AND values are cached: a factor 2"),
-                ]
-            if variant == "gqa":
-                mistakes.append((2 * config.n_heads * config.head_dim * scale, "GQA caches n_kv_heads key/value heads, not n_heads"))
-            for value, hint in mistakes:
-                expect(value == expected or got != value, f"{case}: {hint}")
-            raise Wrong(f"{case}. Numbers per token per layer (DeepSeek-V2 Table 1): MHA 2*n_heads*head_dim, "
-                        "GQA 2*n_kv_heads*head_dim, MQA 2*head_dim, MLA kv_latent_dim + rope_dim")
+            hints = {
+                "scale_head_dim": "you scale by 1/sqrt(head_dim); the score is the dot product of "
+                "[q^C; q^R] with [k^C; k^R], head_dim + rope_dim terms: 1/sqrt(head_dim + rope_dim)",
+                "scale_d_c": "you scale by 1/sqrt(d_c + rope_dim), the width of the absorbed "
+                "vectors; the number is still the naive score: 1/sqrt(head_dim + rope_dim)",
+                "no_rope": "the rotary part is missing from the scores: add q^R_h . k^R_s to "
+                "the absorbed content score of every head",
+                "query_shift_-1": f"the new query is rotated at position {t - 1}; it sits at "
+                f"position {t}, the number of tokens already cached",
+                "query_shift_1": f"the new query is rotated at position {t + 1}; positions "
+                f"count from 0, so with {t} tokens cached it sits at {t}",
+                "query_at_0": f"the new query is rotated at position 0; it sits at position {t}, "
+                "the number of tokens already cached",
+            }
+            for variant, hint in hints.items():
+                if not torch.allclose(wrong[variant][:, t : t + 1], expected, atol=1e-5, rtol=1e-4):
+                    expect(
+                        not torch.allclose(out, wrong[variant][:, t : t + 1], atol=1e-5, rtol=1e-4),
+                        f"{case}: {hint}",
+                    )
+            expect_close(out, expected, f"{case}: your output")
+
+    # Cost: one new token over a long cache. Decoding the keys costs 2 B T d_c n_h d_h FLOPs.
+    B, d_model, n_heads, d_c, rope_dim, T = 1, 32, 4, 24, 4, 256
+    layer = _DecoupledLayer(d_model, n_heads, d_c, rope_dim, g)
+    cache = (torch.randn(B, T, d_c, generator=g), torch.randn(B, T, rope_dim, generator=g))
+    x_new = torch.randn(B, 1, d_model, generator=g)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        absorbed_decode_step(layer, x_new, cache, rope)
+    flops, decoding = counter.get_total_flops(), _decode_cost(B, T, layer)
+    expect(
+        flops < decoding,
+        f"the values are right, but one step over {T} cached tokens did {flops:,} FLOPs of matrix "
+        f"products; decoding the cached latents into keys alone costs {decoding:,}. Fold W^UK_h "
+        "into the new query and score it against the latents; never compute k_up(cache)",
+    )
