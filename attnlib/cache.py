@@ -13,7 +13,7 @@ import torch
 
 from attnlib._checks import positive_int
 
-__all__ = ["KVCache", "LayerCache"]
+__all__ = ["KVCache", "LayerCache", "RingLayerCache"]
 
 
 class LayerCache:
@@ -43,6 +43,22 @@ class LayerCache:
             One tensor ``(..., length + T_new, width)`` per name, in the order given
             (views into the buffers: no copy of the past).
         """
+        T_new = self.check_new(new)
+        end = self.length + T_new
+        if end > self.max_len:
+            raise ValueError(
+                f"the cache holds {self.length} positions and max_len={self.max_len}; cannot add {T_new} more"
+            )
+        out = []
+        for name, t in new.items():
+            buffer = self.buffer(name, t, self.max_len)
+            buffer[..., self.length : end, :] = t
+            out.append(buffer[..., :end, :])
+        self.length = end
+        return tuple(out)
+
+    def check_new(self, new: dict[str, torch.Tensor]) -> int:
+        """Raise unless ``new`` holds the names this cache holds, each ``(..., T_new, width)``; return ``T_new``."""
         if self.buffers and set(new) != set(self.buffers):
             raise ValueError(
                 f"this cache holds {sorted(self.buffers)} (filled by another attention variant?); "
@@ -54,28 +70,19 @@ class LayerCache:
         T_new = {t.shape[-2] for t in new.values()}
         if len(T_new) != 1:
             raise ValueError(f"all tensors must add the same number of positions; got {sorted(T_new)}")
-        T_new = T_new.pop()
-        end = self.length + T_new
-        if end > self.max_len:
-            raise ValueError(
-                f"the cache holds {self.length} positions and max_len={self.max_len}; cannot add {T_new} more"
-            )
-        out = []
-        for name, t in new.items():
-            if name not in self.buffers:
-                shape = (*t.shape[:-2], self.max_len, t.shape[-1])
-                self.buffers[name] = torch.zeros(shape, dtype=t.dtype, device=t.device)  # pre-allocated once
-            buffer = self.buffers[name]
-            if buffer.shape[:-2] != t.shape[:-2] or buffer.shape[-1] != t.shape[-1]:
-                raise ValueError(f"cached {name!r} has shape {tuple(buffer.shape)}; cannot append {tuple(t.shape)}")
-            if buffer.dtype != t.dtype or buffer.device != t.device:
-                raise ValueError(
-                    f"cached {name!r} is {buffer.dtype} on {buffer.device}; cannot append {t.dtype} on {t.device}"
-                )
-            buffer[..., self.length : end, :] = t
-            out.append(buffer[..., :end, :])
-        self.length = end
-        return tuple(out)
+        return T_new.pop()
+
+    def buffer(self, name: str, t: torch.Tensor, positions: int) -> torch.Tensor:
+        """The buffer for ``name`` (allocated for ``positions`` on first use), checked against ``t``."""
+        if name not in self.buffers:
+            shape = (*t.shape[:-2], positions, t.shape[-1])
+            self.buffers[name] = torch.zeros(shape, dtype=t.dtype, device=t.device)  # pre-allocated once
+        buffer = self.buffers[name]
+        if buffer.shape[:-2] != t.shape[:-2] or buffer.shape[-1] != t.shape[-1]:
+            raise ValueError(f"cached {name!r} has shape {tuple(buffer.shape)}; cannot append {tuple(t.shape)}")
+        if buffer.dtype != t.dtype or buffer.device != t.device:
+            raise ValueError(f"cached {name!r} is {buffer.dtype} on {buffer.device}; cannot append {t.dtype} on {t.device}")
+        return buffer
 
     def reset(self) -> None:
         """Forget every position, keeping the allocated buffers for reuse."""
@@ -95,12 +102,58 @@ class LayerCache:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
 
+class RingLayerCache(LayerCache):
+    """A layer cache that keeps only the last ``window`` positions, in a ring buffer. Chapter 17.
+
+    For a layer with a sliding window (Mistral; Gemma's local layers) no query ever looks further
+    back than ``window - 1`` positions, so older keys and values can go: the buffer holds
+    ``window`` positions whatever the length generated, and position ``p`` is written to slot
+    ``p mod window``. :meth:`update` returns the kept past plus the new positions, in position
+    order (at most ``window - 1 + T_new`` of them), which the window mask then trims per query.
+    ``length`` counts every position seen (RoPE rotates by it); ``max_len`` bounds it.
+
+    Args:
+        max_len: the most positions a sequence may reach (the model's ``block_size``).
+        window: positions kept (the layer's ``sliding_window``), an int >= 1.
+
+    Raises:
+        ValueError: as :class:`LayerCache`; a window that is not an int >= 1.
+    """
+
+    def __init__(self, max_len: int, window: int) -> None:
+        super().__init__(max_len)
+        positive_int("window", window)
+        self.window = window
+
+    def kept(self) -> int:
+        """Positions of the past held now: ``min(length, window)``."""
+        return min(self.length, self.window)
+
+    def update(self, **new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        T_new = self.check_new(new)
+        if self.length + T_new > self.max_len:
+            raise ValueError(f"the cache has seen {self.length} positions and max_len={self.max_len}; "
+                             f"cannot add {T_new} more")
+        past = torch.arange(self.length - self.kept(), self.length) % self.window  # slots of the kept past, in order
+        out = []
+        for name, t in new.items():
+            buffer = self.buffer(name, t, self.window)
+            out.append(torch.cat([buffer.index_select(-2, past.to(t.device)), t], dim=-2))  # (..., kept + T_new, w)
+            tail = t[..., -self.window:, :]  # only the last `window` new positions can be needed again
+            first = self.length + T_new - tail.shape[-2]
+            slots = torch.arange(first, first + tail.shape[-2], device=t.device) % self.window
+            buffer.index_copy_(buffer.dim() - 2, slots, tail)
+        self.length += T_new
+        return tuple(out)
+
+
 class KVCache:
     """One :class:`LayerCache` per layer of a GPT. Chapter 08.
 
     Args:
         n_layers: number of attention layers.
         max_len: positions each layer can hold (the model's ``block_size``).
+        windows: per layer, ``None`` (a :class:`LayerCache`) or a sliding window (a :class:`RingLayerCache`).
 
     Example::
 
@@ -109,15 +162,19 @@ class KVCache:
         logits, _ = model(next_token, cache=cache)      # decode: one new token against the cache
     """
 
-    def __init__(self, n_layers: int, max_len: int) -> None:
+    def __init__(self, n_layers: int, max_len: int, windows: list[int | None] | None = None) -> None:
         positive_int("n_layers", n_layers)
-        self.layers = [LayerCache(max_len) for _ in range(n_layers)]
+        windows = [None] * n_layers if windows is None else list(windows)
+        if len(windows) != n_layers:
+            raise ValueError(f"windows must give one window (or None) per layer, {n_layers}; got {len(windows)}")
+        self.layers = [LayerCache(max_len) if w is None else RingLayerCache(max_len, w) for w in windows]
         self.max_len = max_len
 
     @classmethod
     def for_model(cls, model) -> KVCache:
-        """An empty cache sized for ``model`` (an :class:`attnlib.GPT`)."""
-        return cls(model.config.n_layers, model.config.block_size)
+        """An empty cache sized for ``model`` (an :class:`attnlib.GPT`): a ring buffer for each windowed layer."""
+        windows = [getattr(block.attn, "sliding_window", None) for block in model.blocks]
+        return cls(model.config.n_layers, model.config.block_size, windows)
 
     @property
     def length(self) -> int:

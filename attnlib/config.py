@@ -34,6 +34,9 @@ class GPTConfig:
         attention: one of :data:`ATTENTION_VARIANTS` (``"mha"``, ...).
         gelu_approximate: the MLP's GELU, as ``torch.nn.GELU(approximate=...)``:
             ``"none"`` (exact) or ``"tanh"`` (GPT-2's form, needed to reproduce its weights).
+        sliding_window: ``None`` (full causal attention) or ``w``: each position attends to itself
+            and the ``w - 1`` before it (Mistral; chapter 17); the KV cache then keeps ``w``
+            positions per layer (:class:`attnlib.cache.RingLayerCache`).
 
     Raises:
         TypeError: a size that is not an int, ``bias`` not a bool.
@@ -53,6 +56,7 @@ class GPTConfig:
     bias: bool = True
     attention: str = "mha"
     gelu_approximate: str = "none"
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layers", "n_heads", "d_model"):
@@ -75,6 +79,8 @@ class GPTConfig:
             positive_int("kv_latent_dim", self.kv_latent_dim)
             if self.attention != "mla":
                 raise ValueError(f"kv_latent_dim={self.kv_latent_dim} applies to attention='mla' only; got {self.attention!r}")
+        if self.sliding_window is not None:
+            positive_int("sliding_window", self.sliding_window)
         probability("dropout", self.dropout)
         if not isinstance(self.bias, bool):
             raise TypeError(f"bias must be a bool; got {self.bias!r}")

@@ -30,7 +30,7 @@ class MultiHeadLatentAttention(MultiHeadAttention):
     ``project`` step decodes keys and values from a cached latent.
 
     Args:
-        d_model, n_heads, block_size, dropout, bias, causal, attn_fn: as :class:`MultiHeadAttention`.
+        d_model, n_heads, block_size, dropout, bias, causal, attn_fn, sliding_window: as :class:`MultiHeadAttention`.
         kv_latent_dim: width ``d_c`` of the latent ``c = W^DKV x``, the only thing cached.
         absorb: compute attention against the latents with ``W^UK`` / ``W^UV`` folded
             into the query and output sides (equal to the naive path; the inference form).
@@ -58,12 +58,14 @@ class MultiHeadLatentAttention(MultiHeadAttention):
         causal: bool = True,
         attn_fn: str = "sdpa",
         absorb: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         positive_int("kv_latent_dim", kv_latent_dim)
         if not isinstance(absorb, bool):
             raise TypeError(f"absorb must be a bool; got {absorb!r}")
         self.kv_latent_dim, self.absorb = kv_latent_dim, absorb
-        super().__init__(d_model, n_heads, block_size=block_size, dropout=dropout, bias=bias, causal=causal, attn_fn=attn_fn)
+        super().__init__(d_model, n_heads, block_size=block_size, dropout=dropout, bias=bias, causal=causal, attn_fn=attn_fn,
+                         sliding_window=sliding_window)
 
     def build_projections(self, bias: bool) -> None:
         self.q_proj = nn.Linear(self.d_model, self.d_model, bias=bias)

@@ -17,7 +17,9 @@ from torch import nn
 
 from attnlib._checks import divisible, positive_int, probability
 from attnlib.attention.functions import ATTENTION_FUNCTIONS, get_attention_function
-from attnlib.cache import LayerCache
+from attnlib.cache import LayerCache, RingLayerCache
+from attnlib.masks import mask_from_mod
+from attnlib.mods import sliding_window as window_mod
 
 __all__ = ["KV_SHARING", "MultiHeadAttention"]
 
@@ -42,6 +44,8 @@ class MultiHeadAttention(nn.Module):
         kv_sharing: one of :data:`KV_SHARING`.
         head_dim: width of each head; default ``d_model // n_heads`` (then ``n_heads`` must divide
             ``d_model``). Qwen3 sets it apart: 16 heads of 128 in a model of width 1024.
+        sliding_window: ``None`` (full attention) or ``w``: query ``i`` sees keys ``i - w < j <= i``
+            only (Mistral; :func:`attnlib.mods.sliding_window`; chapter 17). Causal layers only.
 
     Attributes:
         qkv: ``nn.Linear(d_model, (n_heads + 2 · n_kv_heads) · head_dim)``; rows ``[W_q; W_k; W_v]``
@@ -71,6 +75,7 @@ class MultiHeadAttention(nn.Module):
         attn_fn: str = "sdpa",
         kv_sharing: str = "fold",
         head_dim: int | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -95,6 +100,10 @@ class MultiHeadAttention(nn.Module):
         self.block_size, self.dropout, self.causal = block_size, dropout, causal
         self.attn_fn, self.kv_sharing = attn_fn, kv_sharing
         self.scale = 1.0 / math.sqrt(self.head_dim)
+        if sliding_window is not None and not causal:
+            raise ValueError(f"sliding_window={sliding_window!r} needs a causal layer (causal=True)")
+        self.sliding_window = sliding_window
+        self.window_mod = None if sliding_window is None else window_mod(sliding_window)  # checks the window
         self.build_projections(bias)
         self.out_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)  # created last: init order as in nanoGPT
         self.resid_dropout = nn.Dropout(dropout)
@@ -153,7 +162,7 @@ class MultiHeadAttention(nn.Module):
     def merge(self, y: torch.Tensor) -> torch.Tensor:
         """``(B, n_heads, T, head_dim)`` → ``(B, T, d_model)`` through the output projection."""
         B, _, T, _ = y.shape
-        return self.out_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, nh, T, hd) -> (B, T, nh*hd) -> (B, T, d_model)
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # -> (B, T, d_model)
 
     def check_inputs(self, x, context, mask, key_padding_mask, cache) -> torch.Tensor | None:
         """Validate every argument of :meth:`forward` before any kernel runs; return the combined mask."""
@@ -184,6 +193,12 @@ class MultiHeadAttention(nn.Module):
         past = 0 if cache is None else cache.length
         if cache is not None and not isinstance(cache, LayerCache):
             raise TypeError(f"cache must be an attnlib.cache.LayerCache; got {type(cache).__name__}")
+        if isinstance(cache, RingLayerCache):
+            if self.sliding_window is None or cache.window < self.sliding_window:
+                raise ValueError(f"a ring cache of window={cache.window} drops keys this layer "
+                                 f"(sliding_window={self.sliding_window}) still attends to")
+            if mask is not None or key_padding_mask is not None:
+                raise ValueError("masks are not supported with a ring cache (it holds only the window's keys)")
         if self.block_size is not None and past + T_q > self.block_size:
             raise ValueError(f"sequence length T={past + T_q} (cached {past} + new {T_q}) exceeds block_size={self.block_size}")
         T_k = context.shape[1] if context is not None else past + T_q
@@ -249,6 +264,9 @@ class MultiHeadAttention(nn.Module):
         """
         mask = self.check_inputs(x, context, mask, key_padding_mask, cache)
         q, k, v = self.project(x, context, cache)
+        if self.window_mod is not None:  # the window, aligned to the newest keys (a ring cache keeps only those)
+            window = mask_from_mod(self.window_mod, (1, 1, q.shape[-2], k.shape[-2]), x.device)
+            mask = window if mask is None else mask & window
         y, weights = self.attend(q, k, v, mask, self.causal and context is None, return_weights)
         y = self.resid_dropout(self.merge(y))
         return (y, weights) if return_weights else y

@@ -20,19 +20,22 @@ __all__ = ["ATTENTION_REGISTRY", "build_attention"]
 
 def _multi_head(config: GPTConfig) -> MultiHeadAttention:
     return MultiHeadAttention(
-        config.d_model, config.n_heads, config.kv_heads, block_size=config.block_size, dropout=config.dropout, bias=config.bias
+        config.d_model, config.n_heads, config.kv_heads, block_size=config.block_size, dropout=config.dropout, bias=config.bias,
+        sliding_window=config.sliding_window,
     )
 
 
 def _talking_heads(config: GPTConfig) -> TalkingHeadsAttention:
     return TalkingHeadsAttention(
-        config.d_model, config.n_heads, block_size=config.block_size, dropout=config.dropout, bias=config.bias
+        config.d_model, config.n_heads, block_size=config.block_size, dropout=config.dropout, bias=config.bias,
+        sliding_window=config.sliding_window,
     )
 
 
 def _latent(config: GPTConfig) -> MultiHeadLatentAttention:
     return MultiHeadLatentAttention(
-        config.d_model, config.n_heads, config.latent_dim, block_size=config.block_size, dropout=config.dropout, bias=config.bias
+        config.d_model, config.n_heads, config.latent_dim, block_size=config.block_size, dropout=config.dropout, bias=config.bias,
+        sliding_window=config.sliding_window,
     )
 
 

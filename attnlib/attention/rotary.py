@@ -7,8 +7,8 @@ each in one step of ``project → attend → merge``:
   projection and before the cache, so cached keys are stored already rotated (Llama);
 * optional QK-norm (Qwen3; Dehghani et al. 2023): an RMSNorm over each head's query and key
   before the rotation, which keeps the logits from growing;
-* an optional sliding window (Mistral; Jiang et al. 2023): query ``i`` sees keys
-  ``i - window < j <= i`` only (:func:`attnlib.mods.sliding_window`).
+* and, like any :class:`~attnlib.attention.MultiHeadAttention`, an optional sliding window
+  (Mistral; Jiang et al. 2023): query ``i`` sees keys ``i - window < j <= i`` only.
 """
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ import torch
 
 from attnlib.attention.multi_head import MultiHeadAttention
 from attnlib.cache import LayerCache
-from attnlib.masks import mask_from_mod
-from attnlib.mods import sliding_window as window_mod
 from attnlib.norms import RMSNorm
 from attnlib.positional import RotaryEmbedding
 
@@ -52,7 +50,7 @@ class RotaryAttention(MultiHeadAttention):
                  rope: RotaryEmbedding | None = None, qk_norm: bool = False, norm_eps: float = 1e-6,
                  sliding_window: int | None = None) -> None:
         super().__init__(d_model, n_heads, n_kv_heads, block_size=block_size, dropout=dropout, bias=bias,
-                         causal=True, attn_fn=attn_fn, head_dim=head_dim)
+                         causal=True, attn_fn=attn_fn, head_dim=head_dim, sliding_window=sliding_window)
         rope = RotaryEmbedding(self.head_dim) if rope is None else rope
         if not isinstance(rope, RotaryEmbedding) or rope.head_dim != self.head_dim:
             raise ValueError(f"rope must be a RotaryEmbedding of head_dim={self.head_dim}; got {rope!r}")
@@ -61,8 +59,6 @@ class RotaryAttention(MultiHeadAttention):
             raise TypeError(f"qk_norm must be a bool; got {qk_norm!r}")
         self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
-        self.window_mod = None if sliding_window is None else window_mod(sliding_window)
-        self.sliding_window = sliding_window
 
     def project(self, x: torch.Tensor, context: torch.Tensor | None = None, cache: LayerCache | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,10 +74,3 @@ class RotaryAttention(MultiHeadAttention):
         if cache is not None:
             k, v = cache.update(k=k, v=v)  # keys cached rotated: never rotated again
         return q, k, v
-
-    def attend(self, q, k, v, mask, is_causal, need_weights):
-        """As :class:`MultiHeadAttention`, with the window's mask added when there is one."""
-        if self.window_mod is not None:
-            window = mask_from_mod(self.window_mod, (1, 1, q.shape[-2], k.shape[-2]), q.device)  # causal too
-            mask = window if mask is None else mask & window
-        return super().attend(q, k, v, mask, is_causal, need_weights)

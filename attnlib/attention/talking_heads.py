@@ -31,7 +31,7 @@ class TalkingHeadsAttention(MultiHeadAttention):
     ``attend`` step mixes the heads' logits and weights.
 
     Args:
-        d_model, n_heads, block_size, dropout, bias, causal: as :class:`MultiHeadAttention`
+        d_model, n_heads, block_size, dropout, bias, causal, sliding_window: as :class:`MultiHeadAttention`
             (one key/value head per query head; the eager computation, which yields the weights).
 
     Attributes:
@@ -62,8 +62,10 @@ class TalkingHeadsAttention(MultiHeadAttention):
         dropout: float = 0.0,
         bias: bool = True,
         causal: bool = True,
+        sliding_window: int | None = None,
     ) -> None:
-        super().__init__(d_model, n_heads, block_size=block_size, dropout=dropout, bias=bias, causal=causal, attn_fn="eager")
+        super().__init__(d_model, n_heads, block_size=block_size, dropout=dropout, bias=bias, causal=causal, attn_fn="eager",
+                         sliding_window=sliding_window)
         # nn.Parameter, not nn.Linear: the GPT's N(0, 0.02) init must not turn the identity into noise.
         self.mix_logits = nn.Parameter(torch.eye(n_heads))
         self.mix_weights = nn.Parameter(torch.eye(n_heads))
