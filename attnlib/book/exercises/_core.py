@@ -24,9 +24,11 @@ import importlib
 import inspect
 import json
 import os
+import pkgutil
 import types
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from importlib import resources
 from typing import Any
 
 import torch
@@ -42,7 +44,8 @@ VERDICTS_ENV = "ATTNLIB_EXERCISE_VERDICTS"
 #: exercise id (``"03.1"``) -> grader; filled by the ``@exercise`` decorator in each chapter module.
 EXERCISES: dict[str, Callable[[Any], None]] = {}
 #: The chapter modules with checks; each is imported on first use (``grade("03.1", ...)`` imports ``ch03``).
-CHAPTERS = tuple(f"ch{n:02d}" for n in range(1, 16))
+CHAPTERS = tuple(sorted(m.name for m in pkgutil.iter_modules([str(resources.files("attnlib.book.exercises"))])
+                        if m.name.startswith("ch") and m.name[2:].isdigit()))
 
 
 def _load_chapter(exercise_id: str) -> None:
