@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from attnlib.book.exercises import CORRECT, WRONG, grade
+from attnlib.book.exercises import CORRECT, NOT_SOLVED, WRONG, grade
 
 # 09.1 cross-attention weights with a key padding mask ------------------------------------------
 
@@ -50,37 +50,59 @@ def test_09_1_mistakes_are_wrong(kwargs, hint):
     assert hint in verdict.detail
 
 
-# 09.2 DIN activation-unit inputs ----------------------------------------------------------------
+# 09.2 additive (Bahdanau) cross-attention ----------------------------------------------------------
 
-def din_inputs(e, v, *, order=("e", "v", "ev", "e-v"), expand=True):
-    e_ = e.unsqueeze(1).expand_as(v) if expand else e.unsqueeze(1)
-    parts = {"e": e_, "v": v, "ev": e_ * v, "e-v": e_ - v, "v-e": v - e_}
-    return torch.cat([parts[p] for p in order], dim=-1)
+def additive(s, h, W_s, W_h, w, mask=None, *, tanh=True, softmax_dim=-1, mask_after=False, scale=False,
+             project_values=False):
+    features = (s @ W_s.T).unsqueeze(2) + (h @ W_h.T).unsqueeze(1)  # (B, T_q, T_k, d_a)
+    scores = (torch.tanh(features) if tanh else features) @ w  # (B, T_q, T_k)
+    if scale:
+        scores = scores / math.sqrt(W_s.shape[0])
+    if mask is not None and not mask_after:
+        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=softmax_dim)
+    if mask is not None and mask_after:
+        weights = weights * mask[:, None, :]
+    values = h @ W_h.T if project_values else h
+    return weights @ values, weights
 
 
 def test_09_2_reference_is_correct():
-    assert grade("09.2", din_inputs).status == CORRECT
+    assert grade("09.2", additive).status == CORRECT
 
 
 @pytest.mark.parametrize(
     "kwargs, hint",
     [
-        (dict(order=("e", "v", "ev", "v-e")), "you have v - e"),
-        (dict(order=("v", "e", "ev", "e-v")), "block 0"),
-        (dict(order=("e", "v", "e-v", "ev")), "block 2"),
-        (dict(expand=False), ""),
+        (dict(tanh=False), "tanh"),
+        (dict(softmax_dim=-2), "over the keys"),
+        (dict(mask_after=True), "-inf before the softmax"),
+        (dict(scale=True), "no 1/sqrt(d) scale"),
+        (dict(project_values=True), "weighted sum of the encoder states h"),
     ],
-    ids=["v-minus-e", "swapped", "product-last", "no-expand"],
+    ids=["no-tanh", "softmax-over-queries", "mask-after-softmax", "scaled", "projected-values"],
 )
 def test_09_2_mistakes_are_wrong(kwargs, hint):
-    verdict = grade("09.2", lambda e, v: din_inputs(e, v, **kwargs))
-    assert verdict.status == WRONG
-    assert hint in verdict.detail
+    verdict = grade("09.2", lambda *args: additive(*args, **kwargs))
+    assert verdict.status == WRONG, str(verdict)
+    assert hint in verdict.detail, str(verdict)
+
+
+def test_09_2_ignoring_the_mask_is_wrong():
+    verdict = grade("09.2", lambda s, h, W_s, W_h, w, mask=None: additive(s, h, W_s, W_h, w))
+    assert verdict.status == WRONG and "padded key" in verdict.detail, str(verdict)
+
+
+def test_09_2_stub_is_not_solved():
+    def stub(*args):
+        raise NotImplementedError("scores, softmax, context")
+
+    assert grade("09.2", stub).status == NOT_SOLVED
 
 
 # 09.3 AUC from ranks ------------------------------------------------------------------------------
 
-def rank_auc(scores, labels, *, ties=True, descending=False):
+def rank_auc(scores, labels, *, ties=True, descending=False, from_zero=False):
     s = -scores if descending else scores
     if ties:
         values, inverse, counts = torch.unique(s, return_inverse=True, return_counts=True)
@@ -89,6 +111,8 @@ def rank_auc(scores, labels, *, ties=True, descending=False):
     else:
         ranks = torch.empty(len(s), dtype=torch.float64)
         ranks[s.argsort()] = torch.arange(1, len(s) + 1, dtype=torch.float64)
+    if from_zero:
+        ranks = ranks - 1
     pos = labels == 1
     n_pos, n_neg = int(pos.sum()), int((~pos).sum())
     return ((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)).item()
@@ -99,8 +123,10 @@ def test_09_3_reference_is_correct():
 
 
 @pytest.mark.parametrize(
-    "kwargs, hint", [(dict(ties=False), "average of their ranks"), (dict(descending=True), "wrong direction")],
-    ids=["ties-ignored", "descending"],
+    "kwargs, hint",
+    [(dict(ties=False), "average of their ranks"), (dict(descending=True), "wrong direction"),
+     (dict(from_zero=True), "start at 1")],
+    ids=["ties-ignored", "descending", "ranks-from-zero"],
 )
 def test_09_3_mistakes_are_wrong(kwargs, hint):
     verdict = grade("09.3", lambda s, y: rank_auc(s, y, **kwargs))

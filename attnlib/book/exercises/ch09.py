@@ -2,7 +2,8 @@
 
 * 09.1 ``cross_attention_weights(q, k, key_padding_mask=None)`` -> ``(B, T_q, T_k)``: one head of cross-attention
   weights, ``q`` ``(B, T_q, d)``, ``k`` ``(B, T_k, d)``, mask ``(B, T_k)`` bool, True = real key
-* 09.2 ``din_inputs(e, v)`` -> ``(B, T, 4d)``: the activation unit's input ``[e, v, e*v, e-v]``
+* 09.2 ``additive_attention(s, h, W_s, W_h, w, mask=None)`` -> ``(context, weights)``: the additive
+  cross-attention of Bahdanau et al. (2015), ``e_ij = w . tanh(W_s s_i + W_h h_j)``
 * 09.3 ``rank_auc(scores, labels)`` -> float: ROC AUC from ranks, ties counted one half
 
 The graders draw their random inputs from a local ``torch.Generator``; ``grade`` runs them inside
@@ -12,11 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from attnlib.attention.target import TargetAttention
-from attnlib.book.exercises._core import exercise, expect, expect_close
+from attnlib.book.exercises._core import NotSolved, exercise, expect, expect_close
 from attnlib.functional import attention
 
-__all__ = ["check_cross_attention_weights", "check_din_inputs", "check_rank_auc"]
+__all__ = ["check_additive_attention", "check_cross_attention_weights", "check_rank_auc"]
 
 
 # ------------------------------------------------------------------------------------------ 09.1
@@ -70,27 +70,81 @@ def check_cross_attention_weights(fn) -> None:
 
 
 # ------------------------------------------------------------------------------------------ 09.2
+def _additive(s, h, W_s, W_h, w, mask=None, *, tanh=True, scale=False):
+    """Bahdanau et al. (2015) attention: e_ij = w . tanh(W_s s_i + W_h h_j), softmax over j."""
+    features = (s @ W_s.T)[:, :, None, :] + (h @ W_h.T)[:, None, :, :]  # (B, T_q, T_k, d_a)
+    scores = (torch.tanh(features) if tanh else features) @ w  # (B, T_q, T_k)
+    if scale:
+        scores = scores / W_s.shape[0] ** 0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    return weights @ h, weights  # (B, T_q, d_h), (B, T_q, T_k)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return tuple(a.shape) == tuple(b.shape) and torch.allclose(a.double(), b.double(), atol=1e-5)
+
+
 @exercise("09.2")
-def check_din_inputs(fn) -> None:
-    """Check the activation unit's input ``[e, v, e*v, e-v]`` against ``TargetAttention.activation_inputs``."""
+def check_additive_attention(fn) -> None:
+    """Check Bahdanau-style additive cross-attention against a reference (weights and context)."""
     g = torch.Generator().manual_seed(92)
-    for B, T, d in [(2, 3, 4), (1, 7, 2), (3, 1, 5)]:
-        e, v = torch.randn(B, d, generator=g), torch.randn(B, T, d, generator=g)
-        expected = TargetAttention.activation_inputs(e, v)
-        answer = fn(e.clone(), v.clone())
-        label = f"din_inputs for e {tuple(e.shape)}, v {tuple(v.shape)}"
-        expect(isinstance(answer, torch.Tensor), f"{label} should return a torch.Tensor, got {type(answer).__name__}")
-        expect(tuple(answer.shape) == (B, T, 4 * d),
-               f"{label} returned shape {tuple(answer.shape)}, expected (B, T, 4d) = {(B, T, 4 * d)}: put e on every "
-               f"behaviour with e.unsqueeze(1).expand_as(v), then concatenate on the last axis")
-        answer = answer.detach()
-        for i, name in enumerate(["e", "v", "e * v", "e - v"]):
-            block = answer[..., i * d:(i + 1) * d]
-            if not torch.allclose(block, expected[..., i * d:(i + 1) * d], atol=1e-6):
-                hint = f"{label}: block {i} (features {i * d}..{(i + 1) * d - 1}) should be {name}"
-                if name == "e - v" and torch.allclose(block, -expected[..., i * d:(i + 1) * d], atol=1e-6):
-                    hint += " (you have v - e)"
-                expect(False, hint)
+    cases = [  # (B, T_q, T_k, d_s, d_h, d_a, lengths)
+        (2, 3, 5, 4, 6, 7, None),
+        (2, 4, 6, 5, 3, 8, (6, 2)),
+        (3, 5, 3, 4, 4, 4, (3, 1, 2)),  # more queries than keys
+        (1, 1, 7, 2, 5, 3, (4,)),
+    ]
+    for B, T_q, T_k, d_s, d_h, d_a, lengths in cases:
+        s = torch.randn(B, T_q, d_s, generator=g)
+        h = torch.randn(B, T_k, d_h, generator=g)
+        W_s = torch.randn(d_a, d_s, generator=g) / d_s**0.5
+        W_h = torch.randn(d_a, d_h, generator=g) / d_h**0.5
+        w = torch.randn(d_a, generator=g)
+        mask = None if lengths is None else torch.arange(T_k)[None, :] < torch.tensor(lengths)[:, None]
+        given = [t.clone() for t in (s, h, W_s, W_h, w)]
+        label = (f"additive_attention with B={B}, T_q={T_q}, T_k={T_k}, d_s={d_s}, d_h={d_h}, "
+                 f"d_a={d_a}, " + ("no mask" if mask is None else f"lengths {lengths}"))
+        out = fn(s, h, W_s, W_h, w, None if mask is None else mask.clone())
+        if out is None:
+            raise NotSolved("return (context, weights), not None")
+        expect(isinstance(out, (tuple, list)) and len(out) == 2,
+               f"{label}: return a pair (context, weights); got {type(out).__name__}")
+        context, weights = out
+        expect(all(torch.equal(a, b) for a, b in zip((s, h, W_s, W_h, w), given)),
+               f"{label}: your function changed one of its inputs")
+        expected_c, expected_w = _additive(s, h, W_s, W_h, w, mask)
+        expect(isinstance(weights, torch.Tensor) and tuple(weights.shape) == tuple(expected_w.shape),
+               f"{label}: weights should have shape (B, T_q, T_k) = {tuple(expected_w.shape)}; got "
+               f"{tuple(getattr(weights, 'shape', ()))}")
+        weights = weights.detach().double()
+        expect(not bool(torch.isnan(weights).any()), f"{label}: the weights contain NaN")
+        if mask is not None:
+            padded = ~mask[:, None, :].expand_as(weights)
+            expect(bool((weights[padded] == 0).all()),
+                   f"{label}: a padded key (mask False) got a non-zero weight; set its score to -inf "
+                   "before the softmax")
+        sums = weights.sum(dim=-1)
+        if not torch.allclose(sums, torch.ones_like(sums), atol=1e-5):
+            if torch.allclose(weights.sum(dim=-2), torch.ones_like(weights.sum(dim=-2)), atol=1e-5):
+                expect(False, f"{label}: your weights sum to 1 over the queries; the softmax runs over "
+                              "the keys (the last axis): each query distributes its attention over the "
+                              "source positions")
+            expect(False, f"{label}: each query's weights should sum to 1 over the real keys; mask the "
+                          "scores with -inf before the softmax (zeroing weights after it leaves rows "
+                          "that no longer sum to 1)")
+        if not _close(weights, expected_w):
+            expect(not _close(weights, _additive(s, h, W_s, W_h, w, mask, tanh=False)[1]),
+                   f"{label}: the score is w . tanh(W_s s_i + W_h h_j); you left out the tanh")
+            expect(not _close(weights, _additive(s, h, W_s, W_h, w, mask, scale=True)[1]),
+                   f"{label}: additive attention has no 1/sqrt(d) scale; that belongs to dot-product "
+                   "attention")
+            expect_close(weights, expected_w.double(), f"{label}: the weights")
+        expect(isinstance(context, torch.Tensor) and tuple(context.shape) == tuple(expected_c.shape),
+               f"{label}: the context should be the weighted sum of the encoder states h, shape "
+               f"(B, T_q, d_h) = {tuple(expected_c.shape)}; got {tuple(getattr(context, 'shape', ()))}")
+        expect_close(context, expected_c, f"{label}: the context vectors (weights @ h)")
 
 
 # ------------------------------------------------------------------------------------------ 09.3
@@ -125,6 +179,11 @@ def check_rank_auc(fn) -> None:
         if abs(answer - (1 - expected)) < 1e-6 and abs(expected - 0.5) > 1e-3:
             expect(False, f"{label} gave {answer:.4f}, expected {expected:.4f}: you ranked the scores in the wrong "
                         f"direction (rank 1 = the lowest score)")
+        n_pos = int((labels == 1).sum())
+        from_zero = expected - n_pos / (n_pos * (len(labels) - n_pos))
+        expect(abs(answer - from_zero) > 1e-9 or abs(answer - expected) < 1e-6,
+               f"{label} gave {answer:.6f}, expected {expected:.6f}: the ranks start at 1 for the "
+               "lowest score, not at 0")
         expect(abs(answer - expected) < 1e-6,
                f"{label} gave {answer:.6f}, expected {expected:.6f}"
                + ("; tied scores must share the average of their ranks" if "tie" in what or "equal" in what else ""))
