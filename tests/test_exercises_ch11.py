@@ -1,94 +1,152 @@
-"""Chapter 11 exercise graders: reference answers pass, plausible mistakes fail, stubs are 'not solved yet'."""
-from collections import Counter
+"""Chapter 11 exercise graders: reference answers pass, plausible mistakes fail with a hint that
+names them, stubs are 'not solved yet'."""
+import re
 
 import pytest
+import regex
 import torch
 
 from attnlib.book.exercises import CORRECT, WRONG, grade
 
-# 11.1 pair counts --------------------------------------------------------------------------------
 
-def pair_counts(ids):
-    return Counter(zip(ids, ids[1:]))
-
-
-def pair_counts_no_overlap(ids):
-    counts, i = Counter(), 0
-    while i + 1 < len(ids):
-        counts[(ids[i], ids[i + 1])] += 1
-        i += 2 if ids[i] == ids[i + 1] else 1
-    return counts
+def stub(*args):
+    raise NotImplementedError("write me")
 
 
-def pair_counts_drops_last(ids):
-    return Counter(zip(ids[:-1], ids[1:-1]))
+# 11.1 WordPiece's greedy longest match ------------------------------------------------
+
+def wordpiece(word, vocab, unk="[UNK]", max_chars=100):
+    if len(word) > max_chars:
+        return [unk]
+    out, start = [], 0
+    while start < len(word):
+        for end in range(len(word), start, -1):
+            piece = word[start:end] if start == 0 else "##" + word[start:end]
+            if piece in vocab:
+                out.append(piece)
+                start = end
+                break
+        else:
+            return [unk]
+    return out
 
 
-def pair_counts_set(ids):
-    return dict.fromkeys(zip(ids, ids[1:]), 1)
+def shortest_first(word, vocab, unk="[UNK]", max_chars=100):
+    if len(word) > max_chars:
+        return [unk]
+    out, start = [], 0
+    while start < len(word):
+        for end in range(start + 1, len(word) + 1):
+            piece = word[start:end] if start == 0 else "##" + word[start:end]
+            if piece in vocab:
+                out.append(piece)
+                start = end
+                break
+        else:
+            return [unk]
+    return out
+
+
+def no_prefix(word, vocab, unk="[UNK]", max_chars=100):  # looks up "##x" but returns "x"
+    return [t.removeprefix("##") for t in wordpiece(word, vocab, unk, max_chars)]
+
+
+def unk_only_the_part(word, vocab, unk="[UNK]", max_chars=100):
+    if len(word) > max_chars:
+        return [unk]
+    out, start = [], 0
+    while start < len(word):
+        for end in range(len(word), start, -1):
+            piece = word[start:end] if start == 0 else "##" + word[start:end]
+            if piece in vocab:
+                out.append(piece)
+                start = end
+                break
+        else:
+            out.append(unk)
+            start += 1
+    return out
+
+
+def ignores_max_chars(word, vocab, unk="[UNK]", max_chars=100):
+    return wordpiece(word, vocab, unk, max_chars=10**9)
+
+
+def hard_coded_unk(word, vocab, unk="[UNK]", max_chars=100):
+    return ["[UNK]"] if wordpiece(word, vocab, unk, max_chars) == [unk] else wordpiece(
+        word, vocab, unk, max_chars)
 
 
 def test_11_1_reference_is_correct():
-    assert grade("11.1", pair_counts).status == CORRECT
+    assert grade("11.1", wordpiece).status == CORRECT
 
 
-@pytest.mark.parametrize("answer", [pair_counts_no_overlap, pair_counts_drops_last, pair_counts_set])
-def test_11_1_mistakes_are_wrong(answer):
-    assert grade("11.1", answer).status == WRONG
+@pytest.mark.parametrize("answer, phrase", [
+    (shortest_first, "LONGEST"),
+    (no_prefix, "'##' prefix"),
+    (unk_only_the_part, "WHOLE word"),
+    (ignores_max_chars, "max_chars"),
+    (hard_coded_unk, "'<unk>'"),
+])
+def test_11_1_mistakes_are_wrong(answer, phrase):
+    verdict = grade("11.1", answer)
+    assert verdict.status == WRONG and phrase in verdict.detail
 
 
-def test_11_1_overlap_hint():
-    assert "overlaps" in grade("11.1", pair_counts_no_overlap).detail
+def test_11_1_stub():
+    assert grade("11.1", stub).status == "not solved yet"
 
 
-# 11.2 one merge step -----------------------------------------------------------------------------
+# 11.2 GPT-2's pre-split ------------------------------------------------------------------
 
-def merge(ids, pair, new_id):
-    out, i = [], 0
-    while i < len(ids):
-        if i + 1 < len(ids) and (ids[i], ids[i + 1]) == pair:
-            out.append(new_id)
-            i += 2
-        else:
-            out.append(ids[i])
-            i += 1
-    return out
+GPT2 = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
-def merge_right_to_left(ids, pair, new_id):
-    return merge(ids[::-1], pair[::-1], new_id)[::-1]
+def gpt2_pre_split(text):
+    return regex.findall(GPT2, text)
 
 
-def merge_no_skip(ids, pair, new_id):  # forgets to skip the second id of a merged pair
-    out = []
-    for i, x in enumerate(ids):
-        out.append(new_id if i + 1 < len(ids) and (x, ids[i + 1]) == pair else x)
-    return out
+def word_split(text):  # the chapter's word tokenizer: whitespace is lost
+    return re.findall(r"\w+|[^\w\s]", text)
 
 
-def merge_in_place(ids, pair, new_id):
-    result = merge(ids, pair, new_id)
-    ids[:] = result
-    return result
+def space_after(text):  # each word keeps the spaces after it
+    return regex.findall(r"\s+|\S+\s*", text) if text[:1].isspace() else \
+        regex.findall(r"\S+\s*|\s+", text)
+
+
+def no_lookahead(text):  # without \s+(?!\S): all spaces go into one piece
+    return regex.findall(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+""",
+                         text)
+
+
+def no_contractions(text):
+    return regex.findall(r""" ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""", text)
+
+
+def ascii_letters(text):  # Python's re without \p{L}: naïve, café and 日本語 split apart
+    return re.findall(r"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+""",
+                      text)
 
 
 def test_11_2_reference_is_correct():
-    assert grade("11.2", merge).status == CORRECT
+    assert grade("11.2", gpt2_pre_split).status == CORRECT
 
 
-@pytest.mark.parametrize("answer", [merge_right_to_left, merge_no_skip, merge_in_place])
-def test_11_2_mistakes_are_wrong(answer):
-    assert grade("11.2", answer).status == WRONG
+@pytest.mark.parametrize("answer, phrase", [
+    (word_split, "join back"),
+    (space_after, "AFTER it"),
+    (no_lookahead, "\\s+(?!\\S)"),
+    (no_contractions, "contractions"),
+    (ascii_letters, "should be"),
+])
+def test_11_2_mistakes_are_wrong(answer, phrase):
+    verdict = grade("11.2", answer)
+    assert verdict.status == WRONG and phrase in verdict.detail
 
 
-def test_11_2_agrees_with_attnlib_training():
-    from attnlib.tokenizers import BPETokenizer
-
-    ids = list(b"aaabdaaabac")
-    tok = BPETokenizer().train("aaabdaaabac", vocab_size=259)
-    for pair, new_id in tok.merges:
-        ids = merge(ids, pair, new_id)
-    assert ids == tok.encode("aaabdaaabac")
+def test_11_2_stub():
+    assert grade("11.2", stub).status == "not solved yet"
 
 
 # 11.3 left padding -------------------------------------------------------------------------------

@@ -1,82 +1,164 @@
-"""Exercise checks for chapter 11 (tokenizers): the two steps of BPE training, and padding.
+"""Exercise checks for chapter 11 (tokenizers): WordPiece's encoder, GPT-2's pre-split, padding.
 
-* 11.1 ``pair_counts(ids)`` -> ``dict[(a, b), int]``: how often each pair of adjacent ids occurs
-* 11.2 ``merge(ids, pair, new_id)`` -> ``list[int]``: one BPE merge, left to right, no overlap
+* 11.1 ``wordpiece_encode(word, vocab, unk, max_chars)`` -> ``list[str]``: greedy longest match
+  (BERT's WordPiece encoder), checked against Hugging Face's ``models.WordPiece``
+* 11.2 ``gpt2_pre_split(text)`` -> ``list[str]``: GPT-2's regular-expression pre-split, checked
+  against Hugging Face's ``pre_tokenizers.ByteLevel(use_regex=True)`` (offsets into the text)
 * 11.3 ``left_pad(batch, pad_id)`` -> ``(ids (B, T) long, attention_mask (B, T) bool)``, padding on the left
 
 The graders draw their random inputs from a local ``torch.Generator``.
 """
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 
-from attnlib.book.exercises._core import exercise, expect, expect_close
+from attnlib.book.exercises._core import NotSolved, exercise, expect, expect_close
 
-__all__ = ["check_pair_counts", "check_merge", "check_left_pad"]
+__all__ = ["check_wordpiece_encode", "check_gpt2_pre_split", "check_left_pad"]
 
 
 def _random_ids(g: torch.Generator, n: int, high: int) -> list[int]:
     return torch.randint(0, high, (n,), generator=g).tolist()
 
 
-def _reference_merge(ids: list[int], pair: tuple[int, int], new_id: int) -> list[int]:
-    out, i = [], 0
-    while i < len(ids):
-        if i + 1 < len(ids) and (ids[i], ids[i + 1]) == pair:
-            out.append(new_id)
-            i += 2
+def _pick(g: torch.Generator, seq):
+    return seq[int(torch.randint(0, len(seq), (1,), generator=g))]
+
+
+# ---------------------------------------------------------------- 11.1
+def _hf_wordpiece(word: str, vocab: set[str], unk: str, max_chars: int) -> list[str]:
+    from tokenizers import models
+
+    ids = {unk: 0, **{p: i + 1 for i, p in enumerate(sorted(vocab - {unk}))}}
+    model = models.WordPiece(ids, unk_token=unk, max_input_chars_per_word=max_chars)
+    return [t.value for t in model.tokenize(word)]
+
+
+def _shortest_first(word: str, vocab: set[str], unk: str) -> list[str]:
+    out, start = [], 0
+    while start < len(word):
+        for end in range(start + 1, len(word) + 1):
+            piece = word[start:end] if start == 0 else "##" + word[start:end]
+            if piece in vocab:
+                out.append(piece)
+                start = end
+                break
         else:
-            out.append(ids[i])
-            i += 1
+            return [unk]
     return out
 
 
+def _wordpiece_cases(g: torch.Generator) -> list[tuple[str, set[str], str, int]]:
+    cases = [("unaffable", {"un", "##aff", "##able", "a", "##ff", "[UNK]"}, "[UNK]", 100),
+             ("abc", {"a", "ab", "##bc", "##c", "[UNK]"}, "[UNK]", 100),
+             ("abcd", {"a", "ab", "##c", "[UNK]"}, "[UNK]", 100),
+             ("bab", {"a", "b", "##a", "[UNK]"}, "[UNK]", 100),
+             ("abab", {"a", "b", "##a", "##b", "ab", "##ab", "<unk>"}, "<unk>", 3),
+             ("a", {"a", "[UNK]"}, "[UNK]", 100)]
+    letters = "abcd"
+    for _ in range(40):
+        n = int(torch.randint(1, 9, (1,), generator=g))
+        word = "".join(_pick(g, letters) for _ in range(n))
+        vocab = {"[UNK]"}
+        for _ in range(int(torch.randint(4, 16, (1,), generator=g))):
+            k = int(torch.randint(1, 4, (1,), generator=g))
+            piece = "".join(_pick(g, letters) for _ in range(k))
+            vocab.add(piece if bool(torch.rand(1, generator=g) < 0.4) else "##" + piece)
+        for c in letters:  # most words can be cut
+            vocab |= {c, "##" + c} if bool(torch.rand(1, generator=g) < 0.8) else {c}
+        cases.append((word, vocab, "[UNK]", 100 if n < 7 else 6))
+    return cases
+
+
 @exercise("11.1")
-def check_pair_counts(fn) -> None:
-    """Check a function counting the pairs of adjacent ids of a list."""
-    g = torch.Generator().manual_seed(11)
-    cases = [[], [5], [1, 2], [97, 97, 97, 98], [1, 2, 1, 2, 1], [7, 7, 7, 7]]
-    cases += [_random_ids(g, n, 4) for n in (10, 30, 100)]
-    for ids in cases:
-        what = f"pair_counts({ids if len(ids) <= 12 else str(ids[:12])[:-1] + ', ...]'})"
-        got = fn(list(ids))
-        expect(isinstance(got, dict), f"{what} should return a dict (a Counter is fine), got {type(got).__name__}")
-        expected = Counter(zip(ids, ids[1:]))
-        got = {k: v for k, v in got.items() if v}
-        bad_keys = [k for k in got if not (isinstance(k, tuple) and len(k) == 2)]
-        expect(not bad_keys, f"{what}: keys must be pairs (a, b) of ids, got {bad_keys[:1]}")
-        expect(set(got) == set(expected), f"{what}: pairs {sorted(set(got) ^ set(expected))[:3]} are missing or extra; "
-                                          f"pair i is (ids[i], ids[i + 1]) for i < len(ids) - 1")
-        for k, v in expected.items():
-            if k[0] == k[1] and got[k] < v:
-                expect(False, f"{what}: pair {k} occurs {v} times, you counted {got[k]}; count every window of "
-                              f"two neighbours, overlaps included")
-            expect(got[k] == v, f"{what}: pair {k} occurs {v} times, you counted {got[k]}")
+def check_wordpiece_encode(answer) -> None:
+    """Check greedy longest-match WordPiece encoding against Hugging Face's ``models.WordPiece``."""
+    g = torch.Generator().manual_seed(111)
+    for word, vocab, unk, max_chars in _wordpiece_cases(g):
+        expected = _hf_wordpiece(word, vocab, unk, max_chars)
+        frozen = frozenset(vocab)
+        got = answer(word, set(vocab), unk, max_chars)
+        if got is None:
+            raise NotSolved("return the list of pieces")
+        what = f"wordpiece_encode({word!r}, vocab={sorted(vocab)}, unk={unk!r}, max_chars={max_chars})"
+        expect(isinstance(got, list) and all(isinstance(t, str) for t in got),
+               f"{what} should return a list of strings, got {got!r}")
+        if got == expected:
+            continue
+        if len(word) > max_chars and expected == [unk]:
+            expect(False, f"{what}: the word has {len(word)} > max_chars characters: it is [{unk!r}] whole")
+        if expected == [unk] and unk in got:
+            expect(False, f"{what} gave {got}: when a part of the word cannot be matched, the WHOLE word "
+                          f"is [{unk!r}], not only that part")
+        if expected == [unk]:
+            expect(False, f"{what} gave {got}, but no cut of the word from the left by longest pieces "
+                          f"reaches its end: the answer is [{unk!r}]")
+        if got == _shortest_first(word, frozen, unk):
+            expect(False, f"{what} gave {got}: take the LONGEST piece in the vocabulary at each step, "
+                          f"not the first one that fits; expected {expected}")
+        plain = [t.removeprefix("##") for t in expected]
+        if got == plain:
+            expect(False, f"{what} gave {got}: a piece that continues the word is looked up and returned "
+                          f"with the '##' prefix; expected {expected}")
+        expect(False, f"{what} should be {expected}, got {got}")
+
+
+# ---------------------------------------------------------------- 11.2
+def _hf_pre_split(text: str) -> list[str]:
+    from tokenizers import pre_tokenizers
+
+    splitter = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return [text[a:b] for _, (a, b) in splitter.pre_tokenize_str(text)]
+
+
+_PIECES = ["Hello", "world", "it", "'s", "'re", "'ll", "don't", "I'm", "naïve", "café", "日本語",
+           "2024", "3.14", "!", "...", ",", "?!", "😀", "x", "A1", "-", "__init__", "we've", "'d"]
+_SPACES = [" ", " ", " ", "  ", "   ", "\n", "\n\n", "\t", " \n ", ""]
+
+
+def _pre_split_cases(g: torch.Generator) -> list[str]:
+    cases = ["Hello world", "Hello  world", "It's 2024!", "  leading", "trailing  ", "a\n\nb",
+             "don't stop", "x = 3.14;", ""]
+    for _ in range(30):
+        n = int(torch.randint(1, 8, (1,), generator=g))
+        cases.append("".join(_pick(g, _PIECES) + _pick(g, _SPACES) for _ in range(n)))
+    return cases
 
 
 @exercise("11.2")
-def check_merge(fn) -> None:
-    """Check one BPE merge step: every occurrence of a pair, left to right, becomes the new id."""
-    g = torch.Generator().manual_seed(12)
-    cases = [([], (1, 2), 9), ([1], (1, 2), 9), ([97, 97, 97, 98, 100, 97, 97, 97, 98, 97, 99], (97, 97), 256),
-             ([1, 1, 1], (1, 1), 5), ([1, 1, 1, 1], (1, 1), 5), ([1, 2, 1, 2, 1], (1, 2), 3), ([2, 1, 2], (1, 2), 3)]
-    for n in (10, 40, 100):
-        ids = _random_ids(g, n, 3)
-        cases.append((ids, (ids[0], ids[1]), 10))
-    for ids, pair, new_id in cases:
-        what = f"merge({ids if len(ids) <= 12 else str(ids[:12])[:-1] + ', ...]'}, {pair}, {new_id})"
-        original = list(ids)
-        got = fn(ids, pair, new_id)
-        expect(ids == original, f"{what} changed its input list; build a new list")
-        expect(isinstance(got, list), f"{what} should return a list, got {type(got).__name__}")
-        expected = _reference_merge(original, pair, new_id)
-        if original == [1, 1, 1] and got == [1, 5]:
-            expect(False, f"{what} gives [1, 5]: scan from the left, so the first two 1s merge: [5, 1]")
-        if len(got) > len(expected) and got.count(new_id) < expected.count(new_id):
-            expect(False, f"{what} misses occurrences: expected {expected}, got {got}")
-        expect(got == expected, f"{what} should be {expected}, got {got}; after a merge, skip both merged ids")
+def check_gpt2_pre_split(answer) -> None:
+    """Check GPT-2's pre-split against Hugging Face's byte-level pre-tokenizer (offsets mapped back)."""
+    import re
+
+    g = torch.Generator().manual_seed(112)
+    for text in _pre_split_cases(g):
+        expected = _hf_pre_split(text)
+        got = answer(text)
+        if got is None:
+            raise NotSolved("return the list of pieces")
+        what = f"gpt2_pre_split({text!r})"
+        expect(isinstance(got, list) and all(isinstance(t, str) for t in got),
+               f"{what} should return a list of strings, got {got!r}")
+        if got == expected:
+            continue
+        expect("".join(got) == text, f"{what} gave {got}: the pieces must join back to the text "
+                                     f"(no whitespace dropped)")
+        expect(got != re.findall(r"\w+|[^\w\s]", text) or not text.strip(),
+               f"{what} gave {got}: that is the word tokenizer's split; GPT-2 keeps each space with the "
+               f"word after it")
+        if any(p.endswith(" ") and p.strip() for p in got):
+            expect(False, f"{what} gave {got}: a space belongs to the piece AFTER it (' world'), "
+                          f"not before it")
+        contractions = {"'s", "'t", "'re", "'ve", "'m", "'ll", "'d"}
+        if [p for p in got if p in contractions] != [p for p in expected if p in contractions]:
+            expect(False, f"{what} gave {got}: contractions ('s, 't, 're, 've, 'm, 'll, 'd) are "
+                          f"pieces of their own")
+        for k in range(len(expected) - 1):
+            ws, nxt = expected[k], expected[k + 1]
+            if ws.isspace() and nxt[:1] == " " and not nxt.isspace() and ws + " " in got:
+                expect(False, f"{what} gave {got}: with several spaces before a word, the last one "
+                              f"joins the word and the rest form a piece (the rule \\s+(?!\\S))")
+        expect(False, f"{what} should be {expected}, got {got}")
 
 
 @exercise("11.3")
