@@ -13,7 +13,7 @@ import torch
 
 from attnlib._checks import positive_int
 
-__all__ = ["KVCache", "LayerCache", "RingLayerCache"]
+__all__ = ["KVCache", "LayerCache", "RingLayerCache", "SinkLayerCache"]
 
 
 class LayerCache:
@@ -84,6 +84,16 @@ class LayerCache:
             raise ValueError(f"cached {name!r} is {buffer.dtype} on {buffer.device}; cannot append {t.dtype} on {t.device}")
         return buffer
 
+    @property
+    def next_position(self) -> int:
+        """The position the next token takes as the model sees it: ``length`` (a sink cache renumbers)."""
+        return self.length
+
+    def visible(self, T_new: int) -> torch.Tensor | None:
+        """Which of the keys the last :meth:`update` returned the ``T_new`` new queries may see, beyond
+        causality: ``None`` (all of them) here; a :class:`SinkLayerCache` restricts it."""
+        return None
+
     def reset(self) -> None:
         """Forget every position, keeping the allocated buffers for reuse."""
         self.length = 0
@@ -147,6 +157,77 @@ class RingLayerCache(LayerCache):
         return tuple(out)
 
 
+class SinkLayerCache(LayerCache):
+    """Attention sinks + a window: StreamingLLM's cache (Xiao et al. 2023, §3.2). Chapter 17.
+
+    Keeps the first ``n_sink`` positions for ever and the last ``window`` in a ring buffer, so
+    ``n_sink + window`` positions at most, however long the stream. The first tokens stay
+    because a trained model parks attention it does not need on them ("attention sinks");
+    dropping them, as a plain window does, breaks the model once the stream passes the window.
+
+    Positions are those *within the cache* (the paper's §3.2): keys are stored before RoPE and
+    rotated when read, at ``0, 1, …`` in cache order, so no position exceeds what the model saw
+    in training (:class:`~attnlib.attention.RotaryAttention` does this for a cache with
+    ``renumbers = True``). Query ``p`` sees the sinks and keys ``p - window < j <= p``.
+
+    Args:
+        max_len: bound on the total stream length (the stream may be far longer than ``block_size``).
+        window: recent positions kept (the query itself included), an int >= 1.
+        n_sink: first positions kept, an int >= 0 (StreamingLLM: 4).
+
+    Raises:
+        ValueError: a window < 1, ``n_sink`` < 0 or larger than the window (named); as :class:`LayerCache`.
+    """
+
+    renumbers = True
+
+    def __init__(self, max_len: int, window: int, n_sink: int = 4) -> None:
+        super().__init__(max_len)
+        positive_int("window", window)
+        if isinstance(n_sink, bool) or not isinstance(n_sink, int) or n_sink < 0:
+            raise ValueError(f"n_sink must be an int >= 0, got {n_sink!r}")
+        if n_sink > window:
+            raise ValueError(f"n_sink={n_sink} is larger than window={window}: the sinks would outnumber the window")
+        self.window, self.n_sink = window, n_sink
+        self.key_positions = torch.empty(0, dtype=torch.long)  # absolute positions of the keys last returned
+
+    def _kept(self) -> torch.Tensor:
+        """Absolute positions kept for the next query, in order: the sinks, then the last ``window - 1``."""
+        sinks = torch.arange(min(self.length, self.n_sink))
+        recent = torch.arange(min(self.length, max(self.n_sink, self.length - self.window + 1)), self.length)
+        return torch.cat([sinks, recent])
+
+    def _slots(self, positions: torch.Tensor) -> torch.Tensor:
+        return torch.where(positions < self.n_sink, positions, self.n_sink + (positions - self.n_sink) % self.window)
+
+    @property
+    def next_position(self) -> int:
+        return len(self._kept())
+
+    def update(self, **new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        T_new = self.check_new(new)
+        if self.length + T_new > self.max_len:
+            raise ValueError(f"the cache has seen {self.length} positions and max_len={self.max_len}; "
+                             f"cannot add {T_new} more")
+        kept = self._kept()
+        fresh = torch.arange(self.length, self.length + T_new)
+        stored = fresh[(fresh < self.n_sink) | (fresh >= self.length + T_new - self.window)]  # what can be needed again
+        out = []
+        for name, t in new.items():
+            buffer = self.buffer(name, t, self.n_sink + self.window)
+            out.append(torch.cat([buffer.index_select(-2, self._slots(kept).to(t.device)), t], dim=-2))
+            buffer.index_copy_(buffer.dim() - 2, self._slots(stored).to(t.device), t[..., stored - self.length, :])
+        self.key_positions = torch.cat([kept, fresh])
+        self.length += T_new
+        return tuple(out)
+
+    def visible(self, T_new: int) -> torch.Tensor:
+        """``(T_new, n_keys)`` bool: the sinks, and the keys within the window of each new query."""
+        q = self.key_positions[-T_new:, None]  # (T_new, 1) absolute positions of the new queries
+        k = self.key_positions[None, :]  # (1, n_keys)
+        return (k < self.n_sink) | (q - k < self.window)  # causality is the layer's (keys are in order)
+
+
 class KVCache:
     """One :class:`LayerCache` per layer of a GPT. Chapter 08.
 
@@ -154,6 +235,8 @@ class KVCache:
         n_layers: number of attention layers.
         max_len: positions each layer can hold (the model's ``block_size``).
         windows: per layer, ``None`` (a :class:`LayerCache`) or a sliding window (a :class:`RingLayerCache`).
+        n_sink: with a window for every layer, keep also the first ``n_sink`` positions: each layer a
+            :class:`SinkLayerCache` (StreamingLLM).
 
     Example::
 
@@ -162,12 +245,18 @@ class KVCache:
         logits, _ = model(next_token, cache=cache)      # decode: one new token against the cache
     """
 
-    def __init__(self, n_layers: int, max_len: int, windows: list[int | None] | None = None) -> None:
+    def __init__(self, n_layers: int, max_len: int, windows: list[int | None] | None = None,
+                 n_sink: int | None = None) -> None:
         positive_int("n_layers", n_layers)
         windows = [None] * n_layers if windows is None else list(windows)
         if len(windows) != n_layers:
             raise ValueError(f"windows must give one window (or None) per layer, {n_layers}; got {len(windows)}")
-        self.layers = [LayerCache(max_len) if w is None else RingLayerCache(max_len, w) for w in windows]
+        if n_sink is not None and None in windows:
+            raise ValueError("n_sink needs a window for every layer (StreamingLLM: sinks + a window)")
+        if n_sink is not None:
+            self.layers = [SinkLayerCache(max_len, w, n_sink) for w in windows]
+        else:
+            self.layers = [LayerCache(max_len) if w is None else RingLayerCache(max_len, w) for w in windows]
         self.max_len = max_len
 
     @classmethod
@@ -175,6 +264,12 @@ class KVCache:
         """An empty cache sized for ``model`` (an :class:`attnlib.GPT`): a ring buffer for each windowed layer."""
         windows = [getattr(block.attn, "sliding_window", None) for block in model.blocks]
         return cls(model.config.n_layers, model.config.block_size, windows)
+
+    @property
+    def next_position(self) -> int:
+        """The position the next token takes as the model sees it (see :attr:`LayerCache.next_position`)."""
+        _ = self.length
+        return self.layers[0].next_position
 
     @property
     def length(self) -> int:

@@ -15,7 +15,7 @@ from torch import nn
 
 from attnlib._checks import cross_entropy_loss, eval_mode, token_ids
 from attnlib.attention.registry import build_attention
-from attnlib.cache import KVCache, LayerCache
+from attnlib.cache import KVCache, LayerCache, SinkLayerCache
 from attnlib.config import GPTConfig
 from attnlib.feedforward import FeedForward
 from attnlib.generate import decode
@@ -160,7 +160,7 @@ class GPT(nn.Module):
                 raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}; got {tuple(targets.shape)}")
         if cache is not None:
             self.check_cache(cache)
-        start = 0 if cache is None else cache.length
+        start = 0 if cache is None else cache.next_position
         if start + T > self.config.block_size:
             raise ValueError(
                 f"the cache holds {start} tokens; {T} more exceed block_size={self.config.block_size}"
@@ -181,7 +181,8 @@ class GPT(nn.Module):
             raise TypeError(f"cache must be an attnlib.cache.KVCache; got {type(cache).__name__}")
         if len(cache.layers) != self.config.n_layers:
             raise ValueError(f"cache has {len(cache.layers)} layers; this model has n_layers={self.config.n_layers}")
-        if cache.max_len != self.config.block_size:
+        streaming = all(isinstance(layer, SinkLayerCache) for layer in cache.layers)  # may outlast block_size
+        if cache.max_len < self.config.block_size or (cache.max_len != self.config.block_size and not streaming):
             raise ValueError(f"cache holds max_len={cache.max_len} positions; this model's block_size={self.config.block_size}")
         _ = cache.length  # raises if the layers fell out of step
 
@@ -242,7 +243,7 @@ class GPT(nn.Module):
         block_size = self.config.block_size
         if cache is None:
             return self(idx[:, -block_size:], last_only=True)[0][:, -1, :], None
-        if cache.length + n_new > block_size or cache.length == 0:
+        if cache.next_position + n_new > block_size or cache.length == 0:
             cache.reset()  # the window slides: re-encode it from position 0, reusing the buffers
             n_new = min(idx.shape[1], block_size)
         return self(idx[:, -n_new:], cache=cache, last_only=True)[0][:, -1, :], cache

@@ -17,7 +17,7 @@ from torch import nn
 
 from attnlib._checks import divisible, positive_int, probability
 from attnlib.attention.functions import ATTENTION_FUNCTIONS, get_attention_function
-from attnlib.cache import LayerCache, RingLayerCache
+from attnlib.cache import LayerCache, RingLayerCache, SinkLayerCache
 from attnlib.masks import mask_from_mod
 from attnlib.mods import sliding_window as window_mod
 
@@ -190,10 +190,18 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError(f"x and context must have the same batch size; got {tuple(x.shape)} and {tuple(context.shape)}")
             if context.shape[1] == 0 and T_q:
                 raise ValueError(f"context holds no positions; got shape {tuple(context.shape)}")
-        past = 0 if cache is None else cache.length
+        past = 0 if cache is None else cache.next_position
         if cache is not None and not isinstance(cache, LayerCache):
             raise TypeError(f"cache must be an attnlib.cache.LayerCache; got {type(cache).__name__}")
-        if isinstance(cache, RingLayerCache):
+        if isinstance(cache, SinkLayerCache):
+            if not getattr(self, "renumbers_positions", False):
+                raise ValueError(f"a sink cache renumbers positions; {type(self).__name__} cannot (use RotaryAttention)")
+            if self.sliding_window is not None and self.sliding_window < cache.window:
+                raise ValueError(f"a sink cache of window={cache.window} shows keys this layer "
+                                 f"(sliding_window={self.sliding_window}) must not see")
+            if mask is not None or key_padding_mask is not None:
+                raise ValueError("masks are not supported with a sink cache (it holds only some keys)")
+        elif isinstance(cache, RingLayerCache):
             if self.sliding_window is None or cache.window < self.sliding_window:
                 raise ValueError(f"a ring cache of window={cache.window} drops keys this layer "
                                  f"(sliding_window={self.sliding_window}) still attends to")
@@ -264,9 +272,12 @@ class MultiHeadAttention(nn.Module):
         """
         mask = self.check_inputs(x, context, mask, key_padding_mask, cache)
         q, k, v = self.project(x, context, cache)
-        if self.window_mod is not None:  # the window, aligned to the newest keys (a ring cache keeps only those)
-            window = mask_from_mod(self.window_mod, (1, 1, q.shape[-2], k.shape[-2]), x.device)
-            mask = window if mask is None else mask & window
+        visible = None if cache is None else cache.visible(q.shape[-2])  # a sink cache's keys are not contiguous
+        if visible is None and self.window_mod is not None:  # the window, aligned to the newest keys
+            visible = mask_from_mod(self.window_mod, (1, 1, q.shape[-2], k.shape[-2]), x.device)[0, 0]
+        if visible is not None:
+            visible = visible.to(x.device)[None, None]  # (T_q, T_k) -> (1, 1, T_q, T_k)
+            mask = visible if mask is None else mask & visible
         y, weights = self.attend(q, k, v, mask, self.causal and context is None, return_weights)
         y = self.resid_dropout(self.merge(y))
         return (y, weights) if return_weights else y

@@ -45,6 +45,9 @@ class RotaryAttention(MultiHeadAttention):
             another width; a window that is not an int >= 1.
     """
 
+    #: RoPE can number positions within a cache (StreamingLLM; :class:`attnlib.cache.SinkLayerCache`).
+    renumbers_positions = True
+
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, *, block_size: int | None = None,
                  dropout: float = 0.0, bias: bool = False, attn_fn: str = "sdpa", head_dim: int | None = None,
                  rope: RotaryEmbedding | None = None, qk_norm: bool = False, norm_eps: float = 1e-6,
@@ -68,8 +71,14 @@ class RotaryAttention(MultiHeadAttention):
         q, k, v = self.split_heads(q, self.n_heads), self.split_heads(k, self.n_kv_heads), self.split_heads(v, self.n_kv_heads)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head, over head_dim (Qwen3: before RoPE)
+        T = x.shape[1]
+        if getattr(cache, "renumbers", False):  # StreamingLLM: keys stored unrotated, rotated at cache positions
+            k, v = cache.update(k=k, v=v)
+            n = k.shape[-2]
+            k = self.rope.rotate(k, torch.arange(n, device=x.device))
+            return self.rope.rotate(q, torch.arange(n - T, n, device=x.device)), k, v
         start = 0 if cache is None else cache.length
-        positions = torch.arange(start, start + x.shape[1], device=x.device)  # absolute positions of the new tokens
+        positions = torch.arange(start, start + T, device=x.device)  # absolute positions of the new tokens
         q, k = self.rope.rotate(q, positions), self.rope.rotate(k, positions)
         if cache is not None:
             k, v = cache.update(k=k, v=v)  # keys cached rotated: never rotated again
