@@ -3,7 +3,8 @@
 Each function returns a callable for the attention core (:mod:`attnlib.functional`):
 
 * a ``mask_mod(b, h, q_idx, kv_idx) -> bool`` decides *whether* a query sees a key
-  (:func:`sliding_window`, :func:`causal`; build a mask with :func:`attnlib.masks.mask_from_mod`);
+  (:func:`sliding_window`, :func:`causal`, :func:`document_mask`; build a mask with
+  :func:`attnlib.masks.mask_from_mod`);
 * a ``score_mod(score, b, h, q_idx, kv_idx) -> score`` changes *how much* it sees, before the
   softmax (:func:`alibi`, :func:`softcap`); pass it as ``attention(..., score_mod=...)``.
 
@@ -19,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["alibi", "alibi_slopes", "causal", "sliding_window", "softcap"]
+__all__ = ["alibi", "alibi_slopes", "causal", "document_mask", "sliding_window", "softcap"]
 
 MaskMod = Callable[..., torch.Tensor]
 ScoreMod = Callable[..., torch.Tensor]
@@ -117,3 +118,35 @@ def softcap(cap: float) -> ScoreMod:
         return cap * torch.tanh(score / cap)
 
     return score_mod
+
+
+def document_mask(doc_ids: torch.Tensor) -> MaskMod:
+    """Attention within one document: query ``i`` sees key ``j`` iff both belong to the same document.
+
+    For sequences packed from several documents (each token labelled by its document), so that
+    no token attends across a document boundary (the "document masking" of PyTorch's
+    FlexAttention examples). Combine it with :func:`causal` (``is_causal=True``, or FlexAttention's
+    ``and_masks``) for a packed decoder. ``q_idx`` and ``kv_idx`` index positions of ``doc_ids``.
+
+    Args:
+        doc_ids: integer ``(T,)`` (every sequence alike) or ``(B, T)`` (one row per sequence),
+            ``T`` at least the keys' length ``T_k``.
+
+    Raises:
+        TypeError: ``doc_ids`` not an integer tensor.
+        ValueError: ``doc_ids`` not 1-D or 2-D.
+    """
+    if not isinstance(doc_ids, torch.Tensor):
+        raise TypeError(f"doc_ids must be an integer torch.Tensor (T,) or (B, T); got {type(doc_ids).__name__}")
+    if doc_ids.dtype == torch.bool or doc_ids.is_floating_point() or doc_ids.is_complex():
+        raise TypeError(f"doc_ids must hold integer document ids; got dtype {doc_ids.dtype}")
+    if doc_ids.dim() not in (1, 2):
+        raise ValueError(f"doc_ids must be (T,) or (B, T); got shape {tuple(doc_ids.shape)}")
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        if doc_ids.dim() == 1:
+            return doc_ids[q_idx] == doc_ids[kv_idx]
+        return doc_ids[b, q_idx] == doc_ids[b, kv_idx]
+
+    mask_mod.doc_ids = doc_ids
+    return mask_mod

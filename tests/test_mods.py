@@ -8,7 +8,7 @@ from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
 
 from attnlib.functional import attention
 from attnlib.masks import mask_from_mod
-from attnlib.mods import alibi, alibi_slopes, causal, sliding_window, softcap
+from attnlib.mods import alibi, alibi_slopes, causal, document_mask, sliding_window, softcap
 
 
 @pytest.mark.parametrize(("T", "window"), [(7, 1), (7, 3), (9, 4), (5, 5), (5, 50)])
@@ -61,6 +61,40 @@ def test_softcap_bounds_scores_and_matches_the_formula():
     small = torch.tensor([0.01, -0.02])
     torch.testing.assert_close(softcap(50.0)(small, 0, 0, 0, 0), small, atol=1e-8, rtol=1e-6)
     assert softcap(5.0)(torch.tensor([1e6, -1e6]), 0, 0, 0, 0).abs().max() <= 5.0
+
+
+def test_document_mask_equals_a_loop():
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 2]])
+    B, T = doc_ids.shape
+    mask = mask_from_mod(document_mask(doc_ids), (B, 3, T, T))
+    expected = torch.tensor([[[doc_ids[b, i] == doc_ids[b, j] for j in range(T)] for i in range(T)] for b in range(B)])
+    assert torch.equal(mask, expected[:, None].expand(B, 3, T, T))
+    shared = mask_from_mod(document_mask(doc_ids[0]), (2, 1, T, T))  # (T,): every sequence alike
+    assert torch.equal(shared, expected[0].expand(2, 1, T, T))
+
+
+def test_document_mask_with_causal_attention_equals_each_document_alone():
+    g = torch.Generator().manual_seed(2)
+    doc_ids = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+    q, k, v = (torch.randn(1, 2, 9, 4, generator=g) for _ in range(3))
+    out, _ = attention(q, k, v, mask=mask_from_mod(document_mask(doc_ids), (1, 1, 9, 9)), is_causal=True)
+    for start, stop in [(0, 3), (3, 5), (5, 9)]:
+        alone = F.scaled_dot_product_attention(*(t[..., start:stop, :] for t in (q, k, v)), is_causal=True)
+        torch.testing.assert_close(out[..., start:stop, :], alone, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("doc_ids", "error", "match"),
+    [
+        ([0, 0, 1], TypeError, "doc_ids must be an integer torch.Tensor"),
+        (torch.tensor([0.0, 1.0]), TypeError, "doc_ids must hold integer document ids; got dtype torch.float32"),
+        (torch.tensor([True, False]), TypeError, "got dtype torch.bool"),
+        (torch.zeros(1, 2, 3, dtype=torch.long), ValueError, r"doc_ids must be \(T,\) or \(B, T\); got shape \(1, 2, 3\)"),
+    ],
+)
+def test_document_mask_bad_inputs(doc_ids, error, match):
+    with pytest.raises(error, match=match):
+        document_mask(doc_ids)
 
 
 @pytest.mark.parametrize(
