@@ -5,6 +5,7 @@
 :data:`ATTENTION_REGISTRY` maps a :class:`attnlib.GPTConfig`'s ``attention`` name to a
 builder of the layer.
 """
+from attnlib.attention.flash import flash_attention
 from attnlib.attention.functions import ATTENTION_FUNCTIONS, get_attention_function
 from attnlib.attention.latent import MultiHeadLatentAttention
 from attnlib.attention.multi_head import KV_SHARING, MultiHeadAttention
@@ -30,6 +31,7 @@ __all__ = [
     "TalkingHeadsAttention",
     "TargetAttention",
     "build_attention",
+    "flash_attention",
     "get_attention_function",
     "online_softmax",
     "online_softmax_update",
