@@ -25,10 +25,14 @@ from attnlib.attention.functions import get_attention_function
 from attnlib.attention.rotary import RotaryAttention
 from attnlib.feedforward import SwiGLU
 from attnlib.model import GPT, Block
+from attnlib.mods import alibi, softcap
 from attnlib.norms import RMSNorm
 from attnlib.positional import RotaryEmbedding
 
-__all__ = ["ModernConfig", "ModernDecoder"]
+__all__ = ["POSITIONS", "ModernConfig", "ModernDecoder"]
+
+#: How a :class:`ModernDecoder` tells positions apart (``ModernConfig.position``).
+POSITIONS = ("rope", "alibi", "learned", "nope")
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,12 @@ class ModernConfig:
         tie_embeddings: the output head shares the token embedding's weight.
         bias: biases on the attention's projections (Qwen2: on q, k, v; never on the MLP).
         sliding_window: None (full attention) or the window of every layer.
-        attn_fn: the attention function, ``"sdpa"``, ``"eager"`` or ``"tiled"``.
+        attn_fn: the attention function, ``"sdpa"``, ``"eager"`` or ``"tiled"``. SDPA cannot modify
+            scores: with ALiBi or soft-capping the layers use ``"eager"`` unless ``"tiled"`` is asked.
+        position: how positions enter: ``"rope"`` (default), ``"alibi"`` (Press et al. 2022: a linear
+            distance penalty per head), ``"learned"`` (GPT-2's added table; not past ``block_size``) or
+            ``"nope"`` (none: the causal mask alone; Haviv et al. 2022). Chapter 17 compares them.
+        attn_softcap: None or Gemma 2's cap on attention scores, ``cap · tanh(s / cap)`` (50.0 in Gemma 2).
 
     Raises:
         TypeError / ValueError: a size that is not a positive int, ``n_heads`` not divisible by
@@ -72,6 +81,8 @@ class ModernConfig:
     dropout: float = 0.0
     sliding_window: int | None = None
     attn_fn: str = "sdpa"
+    position: str = "rope"
+    attn_softcap: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layers", "n_heads", "d_model"):
@@ -87,6 +98,9 @@ class ModernConfig:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}")
         get_attention_function(self.attn_fn)
+        if self.position not in POSITIONS:
+            raise ValueError(f"position={self.position!r} is not one of {POSITIONS}")
+        self.score_mod()  # checks attn_softcap
         RotaryEmbedding(self.head_size, self.rope_base, self.rope_scaling, self.block_size)  # checks RoPE's settings
 
     @property
@@ -103,6 +117,21 @@ class ModernConfig:
         """The SwiGLU hidden width used: ``d_ff``, or ``8/3 · d_model`` rounded up to a multiple of 8."""
         return self.d_ff if self.d_ff is not None else 8 * math.ceil(8 * self.d_model / 3 / 8)
 
+    def score_mod(self):
+        """The layers' score modification: ALiBi and/or soft-capping composed, or None."""
+        mods = ([alibi(self.n_heads)] if self.position == "alibi" else [])
+        mods += [softcap(self.attn_softcap)] if self.attn_softcap is not None else []
+        if not mods:
+            return None
+        if len(mods) == 1:
+            return mods[0]
+        return lambda s, b, h, q, kv: mods[1](mods[0](s, b, h, q, kv), b, h, q, kv)  # ALiBi, then the cap
+
+    @property
+    def layer_attn_fn(self) -> str:
+        """The attention function the layers use (``"eager"`` instead of SDPA when scores are modified)."""
+        return "eager" if self.attn_fn == "sdpa" and self.score_mod() is not None else self.attn_fn
+
     def replace(self, **changes) -> ModernConfig:
         """A copy with ``changes`` (checked again)."""
         return dataclasses.replace(self, **changes)
@@ -115,9 +144,10 @@ class ModernBlock(Block):
         nn.Module.__init__(self)
         self.ln_1 = RMSNorm(config.d_model, config.norm_eps)  # transformers: input_layernorm
         self.attn = RotaryAttention(config.d_model, config.n_heads, config.kv_heads, block_size=config.block_size,
-                                    dropout=config.dropout, bias=config.bias, attn_fn=config.attn_fn,
+                                    dropout=config.dropout, bias=config.bias, attn_fn=config.layer_attn_fn,
                                     head_dim=config.head_size, rope=rope, qk_norm=config.qk_norm,
-                                    norm_eps=config.norm_eps, sliding_window=config.sliding_window)
+                                    norm_eps=config.norm_eps, sliding_window=config.sliding_window,
+                                    rotary=config.position == "rope", score_mod=config.score_mod())
         self.ln_2 = RMSNorm(config.d_model, config.norm_eps)  # post_attention_layernorm
         self.mlp = SwiGLU(config.d_model, config.ff_width, bias=False, dropout=config.dropout)
 
@@ -143,6 +173,8 @@ class ModernDecoder(GPT):
             raise TypeError(f"config must be an attnlib.ModernConfig; got {type(config).__name__}")
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        if config.position == "learned":
+            self.pos_emb = nn.Embedding(config.block_size, config.d_model)
         self.drop = nn.Dropout(config.dropout)
         self.rope = RotaryEmbedding(config.head_size, config.rope_base, config.rope_scaling, config.block_size)
         self.blocks = nn.ModuleList(ModernBlock(config, self.rope) for _ in range(config.n_layers))
@@ -153,10 +185,15 @@ class ModernDecoder(GPT):
         self.reset_parameters()
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Number of parameters (a tied head counted once); ``exclude_embeddings`` leaves out the token embedding."""
+        """Number of parameters (a tied head counted once); ``exclude_embeddings`` leaves out the embeddings."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.tok_emb.weight.numel() if exclude_embeddings else n
+        if exclude_embeddings:
+            n -= sum(e.weight.numel() for e in (self.tok_emb, getattr(self, "pos_emb", None)) if e is not None)
+        return n
 
     def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Token embeddings only (positions enter through RoPE): ``(B, T)`` → ``(B, T, d_model)``."""
-        return self.drop(self.tok_emb(idx))
+        """Token embeddings (+ the learned position table with ``position="learned"``): ``(B, T, d_model)``."""
+        x = self.tok_emb(idx)
+        if self.config.position == "learned":
+            x = x + self.pos_emb(torch.arange(start, start + idx.shape[1], device=idx.device))
+        return self.drop(x)

@@ -148,3 +148,56 @@ def test_wrong_family_and_inputs():
 def test_bad_config(kwargs, error, match):
     with pytest.raises(error, match=match):
         ModernConfig(**kwargs)
+
+
+@pytest.mark.parametrize("position", ["rope", "alibi", "learned", "nope"])
+@pytest.mark.parametrize("attn_softcap", [None, 5.0])
+def test_positions_and_softcap_cached_equals_uncached(position, attn_softcap):
+    torch.manual_seed(0)
+    config = ModernConfig(vocab_size=50, block_size=64, n_layers=2, n_heads=4, d_model=32, position=position,
+                          attn_softcap=attn_softcap)
+    model = ModernDecoder(config).eval()
+    prompt = torch.randint(0, 50, (2, 7))
+    assert torch.equal(model.generate(prompt, 30, temperature=0.0), model.generate(prompt, 30, temperature=0.0,
+                                                                                     use_cache=False))
+    expected_fn = "eager" if position == "alibi" or attn_softcap else "sdpa"
+    assert model.blocks[0].attn.attn_fn == expected_fn
+    learned = 64 * 32 if position == "learned" else 0
+    base = ModernDecoder(config.replace(position="nope", attn_softcap=None)).num_parameters()
+    assert model.num_parameters() == base + learned
+
+
+def test_alibi_layer_equals_sdpa_with_the_bias():
+    from attnlib.mods import alibi_slopes
+
+    torch.manual_seed(0)
+    model = ModernDecoder(ModernConfig(vocab_size=50, block_size=16, n_layers=1, n_heads=4, d_model=32,
+                                       position="alibi")).eval()
+    attn, x = model.blocks[0].attn, torch.randn(2, 9, 32)
+    q, k, v = attn.project(x)
+    i, j = torch.arange(9)[:, None], torch.arange(9)[None, :]
+    bias = (-alibi_slopes(4)[:, None, None] * (i - j)).masked_fill(j > i, float("-inf"))
+    expected = attn.merge(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias))
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"position": "sinusoidal"}, ValueError, r"position='sinusoidal' is not one of \('rope', 'alibi'"),
+        ({"attn_softcap": 0.0}, ValueError, "cap must be a finite number > 0, got 0.0"),
+    ],
+)
+def test_bad_position_settings(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ModernConfig(**kwargs)
+
+
+def test_score_mod_needs_a_function_that_can_apply_it():
+    from attnlib.mods import softcap
+
+    with pytest.raises(ValueError, match="score_mod needs attn_fn='eager' or 'tiled'"):
+        attnlib.MultiHeadAttention(16, 2, score_mod=softcap(5.0))
+    with pytest.raises(TypeError, match="score_mod must be callable"):
+        attnlib.MultiHeadAttention(16, 2, attn_fn="eager", score_mod=5.0)

@@ -46,6 +46,8 @@ class MultiHeadAttention(nn.Module):
             ``d_model``). Qwen3 sets it apart: 16 heads of 128 in a model of width 1024.
         sliding_window: ``None`` (full attention) or ``w``: query ``i`` sees keys ``i - w < j <= i``
             only (Mistral; :func:`attnlib.mods.sliding_window`; chapter 17). Causal layers only.
+        score_mod: ``None`` or a FlexAttention-style ``(scores, b, h, q_idx, kv_idx) -> scores`` applied
+            before the softmax (ALiBi, soft-capping: :mod:`attnlib.mods`); needs ``attn_fn`` "eager" or "tiled".
 
     Attributes:
         qkv: ``nn.Linear(d_model, (n_heads + 2 · n_kv_heads) · head_dim)``; rows ``[W_q; W_k; W_v]``
@@ -76,6 +78,7 @@ class MultiHeadAttention(nn.Module):
         kv_sharing: str = "fold",
         head_dim: int | None = None,
         sliding_window: int | None = None,
+        score_mod=None,
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -103,6 +106,11 @@ class MultiHeadAttention(nn.Module):
         if sliding_window is not None and not causal:
             raise ValueError(f"sliding_window={sliding_window!r} needs a causal layer (causal=True)")
         self.sliding_window = sliding_window
+        if score_mod is not None and not callable(score_mod):
+            raise TypeError(f"score_mod must be callable (scores, b, h, q_idx, kv_idx) -> scores; got {score_mod!r}")
+        if score_mod is not None and attn_fn == "sdpa":
+            raise ValueError("score_mod needs attn_fn='eager' or 'tiled' (SDPA cannot modify scores)")
+        self.score_mod = score_mod
         self.window_mod = None if sliding_window is None else window_mod(sliding_window)  # checks the window
         self.build_projections(bias)
         self.out_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)  # created last: init order as in nanoGPT
@@ -157,7 +165,7 @@ class MultiHeadAttention(nn.Module):
             v = v.repeat_interleave(group, dim=1)
         fn = ATTENTION_FUNCTIONS["eager" if need_weights else self.attn_fn]
         dropout_p = self.dropout if self.training else 0.0
-        return fn(q, k, v, mask, is_causal=is_causal, scale=self.scale, dropout_p=dropout_p)
+        return fn(q, k, v, mask, is_causal=is_causal, scale=self.scale, dropout_p=dropout_p, score_mod=self.score_mod)
 
     def merge(self, y: torch.Tensor) -> torch.Tensor:
         """``(B, n_heads, T, head_dim)`` → ``(B, T, d_model)`` through the output projection."""

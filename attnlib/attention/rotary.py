@@ -32,6 +32,8 @@ class RotaryAttention(MultiHeadAttention):
             model's layers; default: plain RoPE with base 10000.
         qk_norm: an RMSNorm over ``head_dim`` on queries and keys (Qwen3), eps ``norm_eps``.
         sliding_window: ``None`` (full attention) or the window, an int >= 1.
+        rotary: rotate queries and keys (default); ``False`` for ALiBi (a ``score_mod``) or no positions.
+        score_mod: as :class:`~attnlib.attention.MultiHeadAttention` (ALiBi, soft-capping).
 
     Attributes:
         q_norm, k_norm: the QK-norm layers (``None`` without ``qk_norm``).
@@ -51,13 +53,16 @@ class RotaryAttention(MultiHeadAttention):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, *, block_size: int | None = None,
                  dropout: float = 0.0, bias: bool = False, attn_fn: str = "sdpa", head_dim: int | None = None,
                  rope: RotaryEmbedding | None = None, qk_norm: bool = False, norm_eps: float = 1e-6,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, rotary: bool = True, score_mod=None) -> None:
         super().__init__(d_model, n_heads, n_kv_heads, block_size=block_size, dropout=dropout, bias=bias,
-                         causal=True, attn_fn=attn_fn, head_dim=head_dim, sliding_window=sliding_window)
-        rope = RotaryEmbedding(self.head_dim) if rope is None else rope
-        if not isinstance(rope, RotaryEmbedding) or rope.head_dim != self.head_dim:
+                         causal=True, attn_fn=attn_fn, head_dim=head_dim, sliding_window=sliding_window,
+                         score_mod=score_mod)
+        if not isinstance(rotary, bool):
+            raise TypeError(f"rotary must be a bool; got {rotary!r}")
+        rope = RotaryEmbedding(self.head_dim) if rope is None and rotary else rope
+        if rotary and (not isinstance(rope, RotaryEmbedding) or rope.head_dim != self.head_dim):
             raise ValueError(f"rope must be a RotaryEmbedding of head_dim={self.head_dim}; got {rope!r}")
-        self.rope = rope
+        self.rope = rope if rotary else None
         if not isinstance(qk_norm, bool):
             raise TypeError(f"qk_norm must be a bool; got {qk_norm!r}")
         self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
@@ -72,6 +77,8 @@ class RotaryAttention(MultiHeadAttention):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head, over head_dim (Qwen3: before RoPE)
         T = x.shape[1]
+        if self.rope is None:  # no rotation (ALiBi or no position information): as MultiHeadAttention
+            return q, *(cache.update(k=k, v=v) if cache is not None else (k, v))
         if getattr(cache, "renumbers", False):  # StreamingLLM: keys stored unrotated, rotated at cache positions
             k, v = cache.update(k=k, v=v)
             n = k.shape[-2]
