@@ -1,7 +1,12 @@
-"""Chapter 10 graders: the reference is correct, a plausible slip is wrong, a stub is not solved."""
-import torch
+"""Chapter 10 graders: the reference is correct, plausible slips are wrong with a hint that names
+them, a stub is not solved."""
+import math
 
-from attnlib.book.exercises import ch10, grade  # noqa: F401
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnlib.book.exercises import grade
 from attnlib.positional import sinusoidal_encoding
 
 
@@ -9,49 +14,181 @@ def stub(*args):
     raise NotImplementedError("write me")
 
 
-def test_10_1():
-    assert grade("10.1", sinusoidal_encoding).status == "correct"
+# 10.1 the shift matrix ---------------------------------------------------------
 
-    def swapped(T, d_model):
-        pe = sinusoidal_encoding(T, d_model)
-        return torch.stack([pe[:, 1::2], pe[:, 0::2]], dim=-1).flatten(1)
+def shift(k, d_model, exponent=2.0, block=lambda c, s: [[c, -s], [s, c]]):
+    m = torch.zeros(d_model, d_model)
+    for i in range(d_model // 2):
+        a = k * 10000 ** (-exponent * i / d_model)
+        m[2 * i: 2 * i + 2, 2 * i: 2 * i + 2] = torch.tensor(block(math.cos(a), math.sin(a)))
+    return m
 
-    def half_exponent(T, d_model):
-        ang = torch.arange(T)[:, None] / 10000 ** (torch.arange(d_model // 2) / d_model)
-        return torch.stack([ang.sin(), ang.cos()], dim=-1).flatten(1)
 
-    for wrong in (swapped, half_exponent):
-        assert grade("10.1", wrong).status == "wrong"
+def shift_by_least_squares(k, d_model):  # a different route to the same matrix
+    pe = sinusoidal_encoding(k + 200, d_model).double()
+    return torch.linalg.lstsq(pe[:200], pe[k:]).solution.float()
+
+
+def transposed(k, d_model):  # column-vector convention: shifts by -k
+    return shift(k, d_model).T
+
+
+def wrong_exponent(k, d_model):  # 10000^(-i/d) instead of 10000^(-2i/d)
+    return shift(k, d_model, exponent=1.0)
+
+
+def identity(k, d_model):
+    return torch.eye(d_model)
+
+
+def sin_cos_swapped(k, d_model):  # the sum formulas mixed up
+    return shift(k, d_model, block=lambda c, s: [[s, c], [c, -s]])
+
+
+def hard_coded_k1(k, d_model):  # right for the first offset only
+    return shift(1, d_model)
+
+
+def test_10_1_correct():
+    assert grade("10.1", shift).status == "correct"
+    assert grade("10.1", shift_by_least_squares).status == "correct"
+
+
+@pytest.mark.parametrize("answer, phrase", [
+    (transposed, "shifts by -"),
+    (wrong_exponent, "10000^(-2i/d_model)"),
+    (identity, "identity"),
+    (sin_cos_swapped, "PE[pos + "),
+    (hard_coded_k1, "PE[pos + "),
+])
+def test_10_1_wrong(answer, phrase):
+    verdict = grade("10.1", answer)
+    assert verdict.status == "wrong" and phrase in verdict.detail
+
+
+def test_10_1_stub():
     assert grade("10.1", stub).status == "not solved yet"
 
 
-def test_10_2():
-    def rms(x, weight, eps):
-        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+# 10.2 label smoothing ----------------------------------------------------------
 
-    def root_twice(x, weight, eps):  # the source's formula
-        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True).sqrt() + eps) * weight
+def smoothed(logits, targets, eps, pad_id):
+    logp = logits.log_softmax(-1)
+    nll = -logp.gather(-1, targets[..., None])[..., 0]
+    loss = (1 - eps) * nll - eps * logp.mean(-1)
+    keep = targets != pad_id
+    return loss[keep].mean()
 
-    assert grade("10.2", rms).status == "correct"
-    verdict = grade("10.2", root_twice)
-    assert verdict.status == "wrong" and "twice" in verdict.detail
+
+def uses_cross_entropy(logits, targets, eps, pad_id):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=pad_id,
+                           label_smoothing=eps)
+
+
+def no_smoothing(logits, targets, eps, pad_id):
+    logp = logits.log_softmax(-1)
+    nll = -logp.gather(-1, targets[..., None])[..., 0]
+    return nll[targets != pad_id].mean()
+
+
+def padding_included(logits, targets, eps, pad_id):
+    logp = logits.log_softmax(-1)
+    nll = -logp.gather(-1, targets[..., None])[..., 0]
+    return ((1 - eps) * nll - eps * logp.mean(-1)).mean()
+
+
+def spread_over_others(logits, targets, eps, pad_id):  # eps / (|V| - 1) on wrong tokens
+    logp = logits.log_softmax(-1)
+    right = logp.gather(-1, targets[..., None])[..., 0]
+    rest = (logp.sum(-1) - right) / (logits.shape[-1] - 1)
+    loss = -(1 - eps) * right - eps * rest
+    return loss[targets != pad_id].mean()
+
+
+def summed(logits, targets, eps, pad_id):
+    logp = logits.log_softmax(-1)
+    nll = -logp.gather(-1, targets[..., None])[..., 0]
+    return ((1 - eps) * nll - eps * logp.mean(-1))[targets != pad_id].sum()
+
+
+def probabilities_not_logs(logits, targets, eps, pad_id):
+    p = logits.softmax(-1)
+    loss = (1 - eps) * -p.gather(-1, targets[..., None])[..., 0] - eps * p.mean(-1)
+    return loss[targets != pad_id].mean()
+
+
+def in_place(logits, targets, eps, pad_id):
+    logits.sub_(logits.max(-1, keepdim=True).values)
+    return smoothed(logits, targets, eps, pad_id)
+
+
+def test_10_2_correct():
+    assert grade("10.2", smoothed).status == "correct"
+
+
+@pytest.mark.parametrize("answer, phrase", [
+    (uses_cross_entropy, "do not call F.cross_entropy"),
+    (no_smoothing, "plain cross-entropy"),
+    (padding_included, "padding positions"),
+    (spread_over_others, "V - 1 other tokens"),
+    (summed, "sum over positions"),
+    (probabilities_not_logs, "smoothed loss"),
+    (in_place, "in place"),
+])
+def test_10_2_wrong(answer, phrase):
+    verdict = grade("10.2", answer)
+    assert verdict.status == "wrong" and phrase in verdict.detail
+
+
+def test_10_2_stub():
     assert grade("10.2", stub).status == "not solved yet"
 
 
-def test_10_3():
-    def mask(tgt, pad_id):
-        T = tgt.shape[1]
-        return torch.ones(T, T, dtype=torch.bool).tril() & (tgt != pad_id)[:, None, None, :]
+# 10.3 the decoder's mask -----------------------------------------------------
 
-    def padding_queries(tgt, pad_id):  # masks padding rows instead of columns
-        T = tgt.shape[1]
-        return torch.ones(T, T, dtype=torch.bool).tril() & (tgt != pad_id)[:, None, :, None]
+def mask(tgt, pad_id):
+    T = tgt.shape[1]
+    return torch.ones(T, T, dtype=torch.bool).tril() & (tgt != pad_id)[:, None, None, :]
 
-    def causal_only(tgt, pad_id):
-        T = tgt.shape[1]
-        return torch.ones(T, T, dtype=torch.bool).tril().expand(tgt.shape[0], 1, T, T)
 
+def padding_queries(tgt, pad_id):  # masks padding rows instead of columns
+    T = tgt.shape[1]
+    return torch.ones(T, T, dtype=torch.bool).tril() & (tgt != pad_id)[:, None, :, None]
+
+
+def causal_only(tgt, pad_id):
+    T = tgt.shape[1]
+    return torch.ones(T, T, dtype=torch.bool).tril().expand(tgt.shape[0], 1, T, T)
+
+
+def upper_triangle(tgt, pad_id):
+    T = tgt.shape[1]
+    return torch.ones(T, T, dtype=torch.bool).triu() & (tgt != pad_id)[:, None, None, :]
+
+
+def no_head_axis(tgt, pad_id):
+    return mask(tgt, pad_id)[:, 0]
+
+
+def float_mask(tgt, pad_id):
+    return mask(tgt, pad_id).float()
+
+
+def test_10_3_correct():
     assert grade("10.3", mask).status == "correct"
-    assert grade("10.3", padding_queries).status == "wrong"
-    assert grade("10.3", causal_only).status == "wrong"
+
+
+@pytest.mark.parametrize("answer, phrase", [
+    (padding_queries, "padding KEYS"),
+    (causal_only, "padding KEYS"),
+    (upper_triangle, "lower triangle"),
+    (no_head_axis, "(B, 1, T, T)"),
+    (float_mask, "boolean tensor"),
+])
+def test_10_3_wrong(answer, phrase):
+    verdict = grade("10.3", answer)
+    assert verdict.status == "wrong" and phrase in verdict.detail
+
+
+def test_10_3_stub():
     assert grade("10.3", stub).status == "not solved yet"

@@ -1,65 +1,130 @@
 """Exercise checks for chapter 10 (the Transformer).
 
-* 10.1 ``check_sinusoidal``: the sinusoidal position table of Vaswani et al. 2017, §3.5.
-* 10.2 ``check_rms_norm``: RMSNorm by hand, ``x / sqrt(mean(x²) + eps) · γ`` (Zhang & Sennrich 2019).
+* 10.1 ``check_shift_matrix``: the linear map ``M_k`` with ``PE[pos + k] = PE[pos] @ M_k`` for the
+  sinusoidal table of Vaswani et al. 2017, §3.5 ("PE_{pos+k} can be represented as a linear
+  function of PE_pos").
+* 10.2 ``check_smoothed_loss``: cross-entropy with label smoothing (Vaswani et al. 2017, §5.4),
+  PyTorch's convention (``eps / |V|`` on every token), padding ignored, without
+  ``F.cross_entropy``.
 * 10.3 ``check_decoder_mask``: the decoder's self-attention mask, causal AND target padding.
 
 Every grader draws its test tensors from a local ``torch.Generator``.
 """
 from __future__ import annotations
 
-import torch
+import math
+from unittest import mock
 
-from attnlib.book.exercises._core import exercise, expect, expect_close
+import torch
+import torch.nn.functional as F
+
+from attnlib.book.exercises._core import NotSolved, exercise, expect, expect_close
 from attnlib.positional import sinusoidal_encoding
 
-__all__ = ["check_decoder_mask", "check_rms_norm", "check_sinusoidal"]
+__all__ = ["check_decoder_mask", "check_shift_matrix", "check_smoothed_loss"]
 
 
 # ---------------------------------------------------------------- 10.1
+def _shift_matrix(k: float, d_model: int, exponent: float = 2.0, sign: float = 1.0) -> torch.Tensor:
+    """Block-diagonal rotations: row vector (sin a, cos a) times the block gives (sin, cos) of a + k w."""
+    m = torch.zeros(d_model, d_model, dtype=torch.float64)
+    for i in range(d_model // 2):
+        angle = sign * k * 10000 ** (-exponent * i / d_model)
+        c, s = math.cos(angle), math.sin(angle)
+        m[2 * i, 2 * i], m[2 * i, 2 * i + 1] = c, -s
+        m[2 * i + 1, 2 * i], m[2 * i + 1, 2 * i + 1] = s, c
+    return m
+
+
 @exercise("10.1")
-def check_sinusoidal(answer) -> None:
-    """Check ``answer(T, d_model)`` against the sinusoidal table for a few sizes."""
-    for T, d_model in [(1, 2), (10, 8), (33, 16), (7, 64)]:
-        out = answer(T, d_model)
-        ref = sinusoidal_encoding(T, d_model)
+def check_shift_matrix(answer) -> None:
+    """Check ``answer(k, d_model)``: ``PE[pos + k] == PE[pos] @ M`` for every position."""
+    g = torch.Generator().manual_seed(1001)
+    offsets = [1, 3] + torch.randint(2, 40, (3,), generator=g).tolist()
+    sizes = [2, 8, 16, 32, 6]
+    for k, d_model in zip(offsets, sizes):
+        out = answer(k, d_model)
+        if out is None:
+            raise NotSolved("return the (d_model, d_model) matrix M_k")
         expect(isinstance(out, torch.Tensor), f"return a torch.Tensor, got {type(out).__name__}")
-        expect(tuple(out.shape) == (T, d_model), f"for T={T}, d_model={d_model} the shape should be "
-               f"{(T, d_model)}, got {tuple(out.shape)}")
-        out = out.double()
-        if T > 1 and torch.allclose(out[:, 0::2], ref[:, 1::2].double(), atol=1e-4):
-            expect(False, "sines and cosines are swapped: even columns hold sin, odd columns cos")
-        if T > 1 and d_model > 2:
-            blocked = torch.cat([ref[:, 0::2], ref[:, 1::2]], dim=1).double()
-            expect(not torch.allclose(out, blocked, atol=1e-4),
-                   "the sines and cosines must be interleaved (column 2i sin, 2i+1 cos), not in two halves")
+        expect(tuple(out.shape) == (d_model, d_model),
+               f"for d_model={d_model} the shape should be {(d_model, d_model)}, got {tuple(out.shape)}")
+        out = out.detach().double()
+        ref = _shift_matrix(k, d_model)
+        if torch.allclose(out, ref, atol=1e-5):
+            continue
+        what = f"shift_matrix({k}, {d_model})"
+        expect(not torch.allclose(out, torch.eye(d_model, dtype=torch.float64), atol=1e-5),
+               f"{what} is the identity: it must move the table by {k} positions")
+        expect(not torch.allclose(out, ref.T, atol=1e-5),
+               f"{what} shifts by -{k} (PE[pos - {k}]): the rows are positions, so the row vector is "
+               f"multiplied on the left, PE[pos] @ M; transpose each 2x2 block")
         if d_model > 2:
-            wrong_exp = torch.arange(T, dtype=torch.float64)[:, None] / 10000 ** (
-                torch.arange(d_model // 2, dtype=torch.float64) / d_model)
-            expect(not torch.allclose(out[:, 0::2], wrong_exp.sin(), atol=1e-4),
-                   "pair i uses the exponent 2i / d_model (the column index of its sine), not i / d_model")
-        expect_close(out, ref.double(), f"the table for T={T}, d_model={d_model}", atol=1e-4)
+            expect(not torch.allclose(out, _shift_matrix(k, d_model, exponent=1.0), atol=1e-5),
+                   f"{what}: pair i turns at 10000^(-2i/d_model), the exponent of its column 2i, "
+                   f"not 10000^(-i/d_model)")
+        pe = sinusoidal_encoding(k + 20, d_model).double()
+        moved = pe[:20] @ out
+        expect_close(moved, pe[k:], f"PE[pos] @ {what} against PE[pos + {k}] for pos < 20", atol=1e-4)
 
 
 # ---------------------------------------------------------------- 10.2
+def _smoothed_reference(logits: torch.Tensor, targets: torch.Tensor, eps: float, pad_id: int) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=pad_id, label_smoothing=eps)
+
+
+def _no_cross_entropy(*args, **kwargs):
+    raise AssertionError("smoothed_loss called F.cross_entropy: write the loss from log_softmax")
+
+
 @exercise("10.2")
-def check_rms_norm(answer) -> None:
-    """Check ``answer(x, weight, eps)`` against ``torch.nn.functional.rms_norm``."""
-    g = torch.Generator().manual_seed(1010)
-    for shape, eps in [((4, 8), 1e-6), ((2, 3, 16), 1e-5), ((5, 4), 0.5)]:
-        x = torch.randn(*shape, generator=g) * 3 + 0.5
-        weight = torch.randn(shape[-1], generator=g)
-        ref = torch.nn.functional.rms_norm(x, (shape[-1],), weight, eps)
-        out = answer(x, weight, eps)
-        expect(isinstance(out, torch.Tensor), f"return a torch.Tensor, got {type(out).__name__}")
-        expect(tuple(out.shape) == tuple(x.shape), f"the output should have the input's shape {tuple(x.shape)}")
-        twice = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True).sqrt() + eps) * weight
-        expect(not torch.allclose(out, twice, atol=1e-4),
-               "that is x / sqrt(RMS(x) + eps): the square root is taken twice; divide by sqrt(mean(x²) + eps)")
-        centred = torch.nn.functional.layer_norm(x, (shape[-1],), weight, None, eps)
-        expect(not torch.allclose(out, centred, atol=1e-4), "RMSNorm does not subtract the mean (that is LayerNorm)")
-        expect(not torch.allclose(out, ref / weight, atol=1e-4), "multiply by the gain weight γ")
-        expect_close(out, ref, f"RMSNorm of a {tuple(shape)} input with eps={eps}", atol=1e-4)
+def check_smoothed_loss(answer) -> None:
+    """Check ``answer(logits, targets, eps, pad_id)`` against ``F.cross_entropy(..., label_smoothing=eps)``."""
+    g = torch.Generator().manual_seed(1002)
+    for B, T, V, pad_id in [(2, 5, 7, 0), (3, 4, 11, 3), (1, 6, 5, 2)]:
+        eps = float(torch.empty(()).uniform_(0.05, 0.3, generator=g))
+        logits = torch.randn(B, T, V, generator=g) * 2
+        targets = torch.randint(0, V, (B, T), generator=g)
+        targets[targets == pad_id] = (pad_id + 1) % V
+        targets[0, -2:] = pad_id  # some padding
+        ref = _smoothed_reference(logits, targets, eps, pad_id)
+        original = logits.clone()
+        with mock.patch.object(F, "cross_entropy", _no_cross_entropy), \
+                mock.patch.object(torch.nn.CrossEntropyLoss, "forward", _no_cross_entropy):
+            try:
+                out = answer(logits, targets.clone(), eps, pad_id)
+            except AssertionError as e:
+                if "F.cross_entropy" in str(e):
+                    expect(False, "do not call F.cross_entropy (or nn.CrossEntropyLoss): build the loss "
+                                  "from log_softmax")
+                raise
+        if out is None:
+            raise NotSolved("return the loss, a scalar tensor")
+        expect(torch.equal(logits, original), "smoothed_loss changed the logits in place")
+        expect(isinstance(out, torch.Tensor) and out.numel() == 1,
+               f"return a scalar tensor (the mean loss), got {getattr(out, 'shape', type(out).__name__)}")
+        out = out.reshape(()).double()
+        what = f"logits {(B, T, V)}, eps={eps:.3f}, pad_id={pad_id}"
+        if torch.allclose(out, ref.double(), atol=1e-5):
+            continue
+        flat_l, flat_t = logits.flatten(0, 1), targets.flatten()
+        keep = flat_t != pad_id
+        logp = flat_l.log_softmax(-1)
+        nll = -logp.gather(-1, flat_t[:, None])[:, 0]
+        plain = nll[keep].mean()
+        expect(not torch.allclose(out, plain.double(), atol=1e-5),
+               f"{what}: that is the plain cross-entropy: mix in eps times the mean of -log p over the vocabulary")
+        every = F.cross_entropy(flat_l, flat_t, label_smoothing=eps)
+        expect(not torch.allclose(out, every.double(), atol=1e-5),
+               f"{what}: padding positions were averaged in: keep only targets != pad_id")
+        others = ((1 - eps) * nll + eps * (-(logp.sum(-1) - logp.gather(-1, flat_t[:, None])[:, 0]) / (V - 1)))
+        expect(not torch.allclose(out, others[keep].mean().double(), atol=1e-5),
+               f"{what}: eps is spread over the V - 1 other tokens; PyTorch's convention spreads it over all "
+               f"|V| tokens, the right one included (eps/|V| each)")
+        smoothed = (1 - eps) * nll + eps * (-logp.mean(-1))
+        expect(not torch.allclose(out, smoothed[keep].sum().double(), atol=1e-5),
+               f"{what}: that is the sum over positions; take the mean over the non-padding ones")
+        expect_close(out, ref.double(), f"the smoothed loss for {what}", atol=1e-5)
 
 
 # ---------------------------------------------------------------- 10.3
@@ -78,9 +143,12 @@ def check_decoder_mask(answer) -> None:
         tgt = torch.randint(0, 9, (B, T), generator=g)
         tgt[tgt == pad_id] = pad_id + 1
         lengths = torch.randint(1, T + 1, (B,), generator=g)
+        lengths[0] = max(1, T - 2)  # some padding in row 0
         for b in range(B):
             tgt[b, lengths[b]:] = pad_id
         out = answer(tgt, pad_id)
+        if out is None:
+            raise NotSolved("return the (B, 1, T, T) boolean mask")
         ref = _reference_mask(tgt, pad_id)
         expect(isinstance(out, torch.Tensor) and out.dtype == torch.bool,
                "return a boolean tensor (True = may attend)")
@@ -90,5 +158,8 @@ def check_decoder_mask(answer) -> None:
             expect(not out[:, :, 0, 1:].any(), "position 0 may only see itself: use the lower triangle (tril)")
         pad_key = ~(tgt != pad_id)[:, None, None, :].expand_as(ref)
         expect(not (out & pad_key).any(), "a padding token must never be attended to: mask the padding KEYS (columns)")
+        rows = torch.ones(T, T, dtype=torch.bool).tril() & (tgt != pad_id)[:, None, :, None]
+        expect(not torch.equal(out, rows) or torch.equal(rows, ref),
+               "that masks the padding QUERIES (rows); mask the padding KEYS (columns): (B, 1, 1, T)")
         expect(torch.equal(out, ref), "every real key at or before the query should be allowed: "
                "causal mask & (tgt != pad_id) along the keys")
