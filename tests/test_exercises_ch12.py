@@ -193,6 +193,48 @@ def test_filter_hints(exercise_id, answer, hint):
     assert hint in grade(exercise_id, answer).detail
 
 
+import attnlib.sampling  # noqa: E402
+from attnlib.sampling import sample_next_token, top_k_filter, top_p_filter  # noqa: E402
+
+
+def top_k_calls_the_library(logits, k):  # the filter imported by name, as the chapter's notebook does
+    return top_k_filter(logits, k)
+
+
+def top_k_calls_the_module(logits, k):
+    return attnlib.sampling.top_k_filter(logits, k)
+
+
+def top_p_calls_the_library(logits, p):
+    return top_p_filter(logits, p)
+
+
+def top_p_through_sample_next_token(logits, p):  # reaches top_p_filter inside the library
+    sample_next_token(logits.reshape(-1, logits.shape[-1]), 1.0, top_p=p)
+    return top_p_by_hand(logits, p)
+
+
+@pytest.mark.parametrize(
+    "exercise_id, answer",
+    [
+        ("12.2", top_k_calls_the_library),
+        ("12.2", top_k_calls_the_module),
+        ("12.3", top_p_calls_the_library),
+        ("12.3", top_p_through_sample_next_token),
+    ],
+)
+def test_calling_the_library_is_refused(exercise_id, answer):
+    verdict = grade(exercise_id, answer)
+    assert verdict.status == WRONG and "write the filter by hand" in verdict.detail, str(verdict)
+    assert attnlib.sampling.top_k_filter is top_k_filter and attnlib.sampling.top_p_filter is top_p_filter
+    assert globals()["top_k_filter"] is top_k_filter  # the patch is undone
+
+
+def test_top_p_unsorted_hint():
+    assert "sort the probabilities" in grade("12.3", top_p_unsorted).detail or \
+        "not the right ones" in grade("12.3", top_p_unsorted).detail
+
+
 def test_reference_count_matches_the_model():
     for config in [GPTConfig(), GPTConfig(bias=False), GPTConfig(vocab_size=7, n_layers=2, n_heads=2, d_model=8)]:
         assert gpt_param_count(config) == GPT(config).num_parameters()

@@ -10,10 +10,12 @@ answer never changes the notebook's global random state.
 """
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import torch
 
+import attnlib.sampling
 from attnlib.book.exercises._core import Wrong, exercise, expect
 from attnlib.config import GPTConfig
 from attnlib.model import GPT
@@ -117,6 +119,30 @@ def _expect_same_tokens(out: torch.Tensor, logits: torch.Tensor, expected: torch
            f"{what} changes the logits it keeps; leave them as they are")
 
 
+@contextlib.contextmanager
+def _library_filters_refused(fn):
+    """While the answer runs, attnlib's own filters raise :class:`Wrong` (the exercise is to write one).
+
+    Patched where an answer can reach them: the ``attnlib.sampling`` module (so
+    ``sample_next_token(..., top_k=...)`` is refused too) and the answer's own globals (a
+    notebook that imported ``top_k_filter`` by name).
+    """
+    def refuse(*args, **kwargs):
+        raise Wrong("write the filter by hand: your function called attnlib.sampling's top_k_filter or "
+                    "top_p_filter (directly or through sample_next_token)")
+
+    library = {top_k_filter, top_p_filter}
+    with contextlib.ExitStack() as stack:
+        for name in ("top_k_filter", "top_p_filter"):
+            stack.enter_context(mock.patch.object(attnlib.sampling, name, refuse))
+        namespace = getattr(fn, "__globals__", None)
+        if isinstance(namespace, dict):
+            for name, value in list(namespace.items()):
+                if any(value is f for f in library):
+                    stack.enter_context(mock.patch.dict(namespace, {name: refuse}))
+        yield
+
+
 def _kept(logits: torch.Tensor) -> torch.Tensor:
     """How many tokens of each row survive a filter (are not -inf)."""
     return (~torch.isinf(logits)).sum(-1)
@@ -134,7 +160,8 @@ def check_top_k_by_hand(fn) -> None:
     for logits, k in cases:
         what = f"top_k_by_hand(logits of shape {tuple(logits.shape)}, k={k})"
         original = logits.clone()
-        out = fn(logits, k)
+        with _library_filters_refused(fn):
+            out = fn(logits, k)
         expect(torch.equal(logits, original), f"{what} modified its input in place; return a new tensor")
         expected = top_k_filter(logits, k)
         _expect_filtered(out, logits, expected, what)
@@ -168,7 +195,8 @@ def check_top_p_by_hand(fn) -> None:
     for logits, p in cases:
         what = f"top_p_by_hand(logits of shape {tuple(logits.shape)}, p={p})"
         original = logits.clone()
-        out = fn(logits, p)
+        with _library_filters_refused(fn):
+            out = fn(logits, p)
         expect(torch.equal(logits, original), f"{what} modified its input in place; return a new tensor")
         expected = top_p_filter(logits, p)
         _expect_filtered(out, logits, expected, what)
