@@ -1,0 +1,224 @@
+"""Gated DeltaNet (Yang, Kautz & Hatamizadeh 2024), the linear-attention layer of Qwen3-Next. Chapter 18.
+
+Linear attention only adds to its state ``S`` (``d_k × d_v`` per head). The *delta rule*
+(Schlag et al. 2021; Yang et al. 2024, "Parallelizing linear transformers with the delta rule")
+first reads what ``S`` already stores under the key ``k_t`` and writes only the correction,
+with a step size ``β_t ∈ (0, 1)``; the *gate* ``α_t = exp(g_t) ∈ (0, 1]`` lets the state decay
+(Mamba-2's forgetting). With keys of unit length:
+
+    S_t = α_t (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ,      o_t = S_tᵀ (q_t / √d_k)
+
+(Gated DeltaNet, eq. 10, with the state written ``d_k × d_v`` as in the ``fla`` library).
+:func:`gated_delta_rule` computes it token by token (``"recurrent"``) or chunk by chunk
+(``"chunked"``: inside a chunk the updates are folded into matrix products by the UT transform,
+§3 of the paper, as in ``fla``'s ``chunk_gated_delta_rule``). :class:`GatedDeltaNet` is the layer.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnlib._checks import divisible, positive_int, probability
+from attnlib.attention.linear import read_state, write_state
+from attnlib.cache import LayerCache
+
+__all__ = ["DELTA_MODES", "GatedDeltaNet", "gated_delta_rule"]
+
+DELTA_MODES = ("recurrent", "chunked")
+
+
+def _check(q, k, v, beta, g) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("g", g)):
+        if t is None and name == "g":
+            continue
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating point tensor; got {getattr(t, 'dtype', type(t).__name__)}")
+    if q.dim() != 4 or q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape (B, n_heads, T, d_k); got {tuple(q.shape)} and {tuple(k.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must have shape (B, n_heads, T, d_v) = {tuple(q.shape[:3])} + (d_v,); got {tuple(v.shape)}")
+    if q.shape[2] == 0:
+        raise ValueError(f"q holds no positions; got shape {tuple(q.shape)}")
+    for name, t in (("beta", beta), ("g", g)):
+        if t is not None and t.shape != q.shape[:3]:
+            raise ValueError(f"{name} must have shape (B, n_heads, T) = {tuple(q.shape[:3])}; got {tuple(t.shape)}")
+    if ((beta < 0) | (beta > 1)).any():
+        raise ValueError(f"beta must lie in [0, 1] (a step size); got values in [{beta.min().item():.3g}, {beta.max().item():.3g}]")
+    if g is not None and (g > 0).any():
+        raise ValueError(f"g is a log decay and must be <= 0; got a maximum of {g.max().item():.3g}")
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None = None,
+    mode: str = "chunked",
+    *,
+    chunk_size: int = 64,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    return_state: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over a sequence, recurrent or chunked (equal outputs).
+
+    Args:
+        q, k: ``(B, n_heads, T, d_k)`` float; keys should have unit length (the layer L2-normalises
+            them: then ``I - β k kᵀ`` never amplifies the state).
+        v: ``(B, n_heads, T, d_v)``.
+        beta: ``(B, n_heads, T)`` in [0, 1], the write strength of each token.
+        g: ``(B, n_heads, T)`` log decays ``<= 0`` (``α_t = exp(g_t)``); ``None`` = no gate (DeltaNet).
+        mode: ``"recurrent"`` (one token at a time) or ``"chunked"``.
+        chunk_size: positions per chunk (``"chunked"``), >= 1; checked in every mode.
+        scale: query scale; default ``1 / √d_k``.
+        initial_state: ``(B, n_heads, d_k, d_v)`` state from an earlier call.
+        return_state: also return the final state.
+
+    Returns:
+        ``(B, n_heads, T, d_v)``, or ``(output, state (B, n_heads, d_k, d_v))``.
+
+    Raises:
+        TypeError: a non-float tensor. ValueError: mismatched shapes, ``beta`` outside [0, 1],
+            ``g > 0``, an unknown mode, ``chunk_size < 1``, a state of the wrong shape (named).
+    """
+    _check(q, k, v, beta, g)
+    if mode not in DELTA_MODES:
+        raise ValueError(f"mode={mode!r} is not one of {DELTA_MODES}")
+    positive_int("chunk_size", chunk_size)
+    B, h, T, d_k = q.shape
+    S = q.new_zeros(B, h, d_k, v.shape[-1])  # (B, h, d_k, d_v)
+    if initial_state is not None:
+        if initial_state.shape != S.shape:
+            raise ValueError(f"initial_state must have shape {tuple(S.shape)}; got {tuple(initial_state.shape)}")
+        S = initial_state.to(S)
+    g = torch.zeros_like(beta) if g is None else g
+    q = q * (d_k**-0.5 if scale is None else scale)
+    step = _recurrent if mode == "recurrent" else _chunked
+    out, S = step(q, k, v, beta, g, S, chunk_size)
+    return (out, S) if return_state else out
+
+
+def _recurrent(q, k, v, beta, g, S, chunk_size):
+    """Token by token: decay, read what the state holds under k_t, write β_t times the correction."""
+    outs = []
+    for t in range(q.shape[2]):
+        k_t, v_t, b_t = k[:, :, t], v[:, :, t], beta[:, :, t, None]  # (B, h, d_k), (B, h, d_v), (B, h, 1)
+        S = S * g[:, :, t, None, None].exp()  # forget: α_t S
+        predicted = (k_t.unsqueeze(-1) * S).sum(-2)  # Sᵀ k_t: what the state returns for k_t, (B, h, d_v)
+        S = S + k_t.unsqueeze(-1) * (b_t * (v_t - predicted)).unsqueeze(-2)  # + k_t (β_t (v_t - Sᵀk_t))ᵀ
+        outs.append((q[:, :, t].unsqueeze(-1) * S).sum(-2))  # o_t = Sᵀ q_t
+    return torch.stack(outs, dim=2), S
+
+
+def _chunked(q, k, v, beta, g, S, C):
+    """Chunk by chunk. Inside a chunk (positions r = 1..C, cumulative log decay γ_r), the state is
+
+        S_r = e^{γ_r} S_0 + Σ_{s≤r} e^{γ_r-γ_s} k_s u_sᵀ,   u_r = β_r (v_r - e^{γ_r} S_0ᵀ k_r - Σ_{s<r} e^{γ_r-γ_s} (k_r·k_s) u_s)
+
+    so the rows u solve a unit lower-triangular system A U = β V - β e^{γ} K S_0 with
+    A = I + strictly_lower(β (K Kᵀ ⊙ Γ)), Γ_rs = e^{γ_r-γ_s} (the UT transform: U = A⁻¹βV, W = A⁻¹ β e^γ K).
+    """
+    B, h, T, d_k = q.shape
+    C = min(C, T)  # a chunk longer than the sequence would only add padding
+    pad = (C - T % C) % C  # padded positions: β = 0 (no write), g = 0 (no decay), sliced off at the end
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
+    n = (T + pad) // C
+    q, k, v = (t.reshape(B, h, n, C, t.shape[-1]) for t in (q, k, v))  # (B, h, T, d) -> (B, h, n, C, d)
+    beta, g = beta.reshape(B, h, n, C, 1), g.reshape(B, h, n, C)
+    gamma = g.cumsum(-1)  # (B, h, n, C): log of the decay from the chunk's start to r
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    Gamma = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (.., C, C)
+    A = torch.eye(C, dtype=q.dtype, device=q.device) + (beta * (k @ k.transpose(-2, -1)) * Gamma).tril(-1)
+    rhs = torch.cat([beta * v, beta * gamma.exp()[..., None] * k], dim=-1)  # [β V, β e^γ K]: (.., C, d_v + d_k)
+    U, W = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split([v.shape[-1], d_k], -1)
+    QK = (q @ k.transpose(-2, -1)) * Gamma  # decayed causal scores inside the chunk, diagonal included
+    outs = []
+    for i in range(n):  # the only sequential part: one state update per chunk
+        new = U[:, :, i] - W[:, :, i] @ S  # the corrections u_r given the state entering the chunk
+        outs.append((q[:, :, i] * gamma[:, :, i, :, None].exp()) @ S + QK[:, :, i] @ new)
+        last = gamma[:, :, i, -1, None]  # (B, h, 1)
+        S = last[..., None].exp() * S + (k[:, :, i] * (last - gamma[:, :, i]).exp()[..., None]).transpose(-2, -1) @ new
+    return torch.cat(outs, dim=2)[:, :, :T], S
+
+
+class GatedDeltaNet(nn.Module):
+    """A gated DeltaNet layer with the GPT block's attention interface (Qwen3-Next's linear layer). Chapter 18.
+
+    ``x → q, k, v`` (one fused projection; q and k L2-normalised per head), ``β = σ(W_b x)``,
+    ``g = -exp(A_log) · softplus(W_a x + dt_bias)`` (Mamba-2's decay, as Qwen3-Next), then
+    :func:`gated_delta_rule`, a per-head RMSNorm gated by ``SiLU(W_z x)``, and ``out_proj``.
+    Left out from Qwen3-Next: the short causal convolution on q, k, v and grouped value heads.
+
+    Args:
+        d_model, n_heads: ``n_heads`` divides ``d_model``; head width ``d_model // n_heads``.
+        block_size: longest sequence (``None``: no limit). dropout: on the output, in [0, 1).
+        bias: biases on ``qkv`` and ``out_proj``. chunk_size: for the chunked form (T > 1).
+
+    Raises:
+        TypeError / ValueError: a size that is not a positive int, ``d_model`` not divisible by ``n_heads``.
+    """
+
+    state_names = ("S",)
+    cache_width = 0
+
+    def __init__(self, d_model: int, n_heads: int, *, block_size: int | None = None, dropout: float = 0.0,
+                 bias: bool = True, chunk_size: int = 64) -> None:
+        super().__init__()
+        for name, value in (("d_model", d_model), ("n_heads", n_heads), ("chunk_size", chunk_size)):
+            positive_int(name, value)
+        divisible("d_model", d_model, "n_heads", n_heads)
+        probability("dropout", dropout)
+        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
+        self.block_size, self.chunk_size = block_size, chunk_size
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.gate = nn.Linear(d_model, d_model, bias=False)  # z: the output gate
+        self.beta_decay = nn.Linear(d_model, 2 * n_heads, bias=False)  # b and a, one each per head
+        A = torch.empty(n_heads).uniform_(1, 16)  # fla's initialisation
+        dt = torch.exp(torch.empty(n_heads).uniform_(math.log(1e-3), math.log(1e-1)))
+        self.A_log = nn.Parameter(A.log())
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+        self.norm_weight = nn.Parameter(torch.ones(self.head_dim))
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """0: the state does not grow with the sequence (see :meth:`state_bytes`)."""
+        return 0
+
+    def state_bytes(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of the state of one sequence: ``n_heads · head_dim²`` numbers."""
+        dtype = dtype or self.out_proj.weight.dtype
+        return self.n_heads * self.head_dim**2 * torch.empty((), dtype=dtype).element_size()
+
+    def forward(self, x: torch.Tensor, *, cache: LayerCache | None = None, return_weights: bool = False) -> torch.Tensor:
+        """``(B, T, d_model)`` → ``(B, T, d_model)``; with a cache, continue the cached sequence."""
+        if return_weights:
+            raise ValueError("return_weights=True: a gated DeltaNet layer computes no attention weights")
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must have shape (B, T, d_model={self.d_model}); got {getattr(x, 'shape', x)}")
+        B, T, _ = x.shape
+        past = 0 if cache is None else cache.length
+        if self.block_size is not None and past + T > self.block_size:
+            raise ValueError(f"sequence length T={past + T} (cached {past} + new {T}) exceeds block_size={self.block_size}")
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(B, T, self.n_heads, -1).transpose(1, 2)  # (B, T, h * w) -> (B, h, T, w)
+
+        q, k, v = (heads(t) for t in self.qkv(x).split(self.d_model, dim=-1))
+        q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+        b, a = self.beta_decay(x).transpose(1, 2).chunk(2, dim=1)  # (B, 2h, T) -> 2 x (B, h, T)
+        beta = b.sigmoid()
+        g = -self.A_log.exp()[:, None] * F.softplus(a + self.dt_bias[:, None])  # (B, h, T), <= 0
+        state = read_state(cache, self.state_names)
+        y, S = gated_delta_rule(q, k, v, beta, g, "recurrent" if T == 1 else "chunked", chunk_size=self.chunk_size,
+                                initial_state=None if state is None else state[0], return_state=True)
+        if cache is not None:
+            write_state(cache, self.state_names, (S,), T)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_weight  # per-head RMSNorm
+        y = y * F.silu(heads(self.gate(x)))  # gated by z (Qwen3-Next's RMSNormGated)
+        return self.resid_dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, self.d_model)))
