@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = ["NAMES", "load", "path"]
 
-#: The committed results files, by name (the file name without ``.json``).
-NAMES = ("compare_attention", "bench_mha", "bench_kv_cache", "bench_memory", "bench_train")
+#: The committed results files, by name (the file name without ``.json``): every ``*.json`` shipped here.
+NAMES = tuple(sorted(f.name[: -len(".json")] for f in resources.files(__name__).iterdir() if f.name.endswith(".json")))
 
 
 def path(name: str) -> Traversable:
