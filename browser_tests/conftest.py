@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HTML = ROOT / "_build" / "html"
+# The built book: _build/html, or another build named by $BOOK_HTML (to compare two builds).
+HTML = Path(os.environ.get("BOOK_HTML") or ROOT / "_build" / "html").resolve()
 SCREENSHOTS = ROOT / "_build" / "screenshots"
 
 # As for any headless run on a closed network: no sandbox (root in CI), no GPU, and none of
@@ -50,7 +51,7 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 def site() -> str:
     """Base URL of ``_build/html`` served by a thread on 127.0.0.1 (a free port)."""
     if not (HTML / "index.html").is_file():
-        raise RuntimeError(f"{HTML.relative_to(ROOT)}/index.html is missing: build the book first (make book-strict)")
+        raise RuntimeError(f"{HTML}/index.html is missing: build the book first (make book-strict)")
     handler = functools.partial(_QuietHandler, directory=str(HTML))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)

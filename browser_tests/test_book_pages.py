@@ -1,11 +1,15 @@
 """Every page of the built book, as a reader's browser shows it (headless Chromium).
 
-For each page of ``_toc.yml``: no request leaves localhost, no console error and no failed
-local request, every formula typeset by MathJax without error, every internal link and
-anchor resolves, every exercise and solution block of the source is rendered, notebook pages
-have their download, launch and repository buttons; a screenshot is saved per page. Then the
-search page finds a word, and the attention explorer of chapter 12 switches heatmaps without
-a kernel.
+For each page of ``_toc.yml``, at 1280 px in light mode: no request leaves localhost, no
+console error and no failed local request, every formula typeset by MathJax without error and
+without a visible backslash (``\\_`` inside ``\\text{}``, an unknown macro), no display formula
+wider than its column, every internal link and anchor resolves, every exercise and solution
+block of the source is rendered and numbered ``NN.k`` as its label ``ex-NN-k`` says (box
+title, solution title, references), notebook pages have their download, launch and
+repository buttons; a screenshot is saved per page. At 390 px in dark mode (a phone): no page
+is wider than the screen; a screenshot per page in ``phone/``. Over the whole book, fewer than
+5% of code cells and outputs scroll sideways at 1280 px. Then the search page finds a word,
+and the attention explorer of chapter 12 switches heatmaps without a kernel.
 """
 from __future__ import annotations
 
@@ -20,6 +24,9 @@ import yaml
 from conftest import HTML, ROOT
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
+DESKTOP = {"width": 1280, "height": 900}
+PHONE = {"width": 390, "height": 844}  # an iPhone 12-15's CSS pixels
+MAX_SCROLLING_FRACTION = 0.05  # of code cells and outputs, at 1280 px
 EXERCISE = re.compile(r"(?:```|:::)\{exercise(?:-start)?\}")
 SOLUTION = re.compile(r"(?:```|:::)\{solution(?:-start)?\}")
 
@@ -65,9 +72,14 @@ def broken_links(hrefs: list[str], site: str) -> list[str]:
     return broken
 
 
-def open_page(browser, site: str, path: str):
-    """A new page at ``path``; returns (page, problems) where problems collects what went wrong."""
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
+def open_page(browser, site: str, path: str, viewport: dict | None = None, dark: bool = False, touch: bool = False):
+    """A new page at ``path``; returns (page, problems) where problems collects what went wrong.
+
+    ``viewport``: CSS pixels (default :data:`DESKTOP`); ``dark``: the reader's system asks for a
+    dark theme (the book follows it: ``default_mode: auto``); ``touch``: a touch screen (for
+    ``locator.tap()``)."""
+    context = browser.new_context(
+        viewport=viewport or DESKTOP, color_scheme="dark" if dark else "light", has_touch=touch)
     problems: list[str] = []
 
     def only_localhost(route):
@@ -99,13 +111,113 @@ def check_math(page, problems: list[str]) -> int:
         problems += [f"math not typeset: {text!r}" for text in untypeset]
         errors = page.evaluate("() => [...document.querySelectorAll('mjx-merror')].map(e => e.textContent)")
         problems += [f"MathJax error: {text!r}" for text in errors]
+        # What the reader sees is the MathML MathJax built from the TeX (its token elements
+        # hold the characters drawn): a backslash there is a macro MathJax did not expand,
+        # such as \_ inside \text{} or an unknown command.
+        backslashes = page.evaluate(
+            "() => [...MathJax.startup.document.math].filter(m => new DOMParser()"
+            ".parseFromString(MathJax.startup.toMML(m.root), 'text/html').body.textContent.includes('\\\\'))"
+            ".map(m => m.math.trim().slice(0, 80))"
+        )
+        problems += [f"backslash shown in math: {tex!r}" for tex in backslashes]
     return n_math
+
+
+def expand_everything(page) -> None:
+    """Open every collapsed part (solutions' dropdowns, hidden cells) so that it can be measured."""
+    page.evaluate(
+        "() => { document.querySelectorAll('details').forEach(d => d.open = true);"
+        " document.querySelectorAll('.toggle-hidden').forEach(e => e.classList.remove('toggle-hidden')); }"
+    )
+
+
+def wide_display_math(page) -> list[str]:
+    """TeX of the display formulas wider than their column (they scroll inside it)."""
+    return page.evaluate(
+        "() => [...MathJax.startup.document.math].filter(m => m.display && m.typesetRoot"
+        " && m.typesetRoot.scrollWidth > m.typesetRoot.clientWidth + 1)"
+        ".map(m => `${m.typesetRoot.scrollWidth} px in ${m.typesetRoot.clientWidth} px: ${m.math.trim().slice(0, 70)}`)"
+    )
+
+
+#: page -> (code blocks, outputs, of which scroll sideways: code blocks, outputs, their first lines)
+SCROLLING: dict[str, tuple[int, int, int, int, list[str]]] = {}
+
+
+def measure_scrolling(page, name: str) -> tuple[int, int, int, int, list[str]]:
+    """Count the code cells' and outputs' ``pre`` elements that scroll sideways (page expanded)."""
+    result = page.evaluate(
+        """() => {
+          const counts = [0, 0, 0, 0], scrolling = [];
+          for (const pre of document.querySelectorAll('article div.cell pre')) {
+            if (pre.closest('.jupyter-widgets')) continue;
+            const output = pre.closest('.cell_output') !== null;
+            counts[output ? 1 : 0] += 1;
+            if (pre.scrollWidth > pre.clientWidth + 1) {
+              counts[output ? 3 : 2] += 1;
+              const longest = pre.textContent.split('\\n').reduce((a, b) => (b.length > a.length ? b : a), '');
+              scrolling.push(`${output ? 'output' : 'code'} (${longest.length} characters): ${longest.trim().slice(0, 60)}`);
+            }
+          }
+          return [...counts, scrolling];
+        }"""
+    )
+    SCROLLING[name] = tuple(result)
+    return SCROLLING[name]
+
+
+EXERCISE_TITLE = re.compile(r"Exercise (\d\d)\.(\d+)\b")
+EXERCISE_LABEL = re.compile(r"ex-(\d\d)-(\d+)")
+SOLUTION_LABEL = re.compile(r"sol-(\d\d)-(\d+)")
+
+
+def exercise_numbers(page, name: str) -> list[str]:
+    """Problems with the numbers of the page's exercises, solutions and references to them.
+
+    An exercise labelled ``ex-NN-k`` (chapter NN's page) must be titled "Exercise NN.k ...", its
+    solution "Solution to Exercise NN.k ..." linking to ``#ex-NN-k``, and a link to ``#ex-NN-k``
+    or ``#sol-NN-k`` that names a number must name ``NN.k``."""
+    problems = []
+    chapter = re.match(r"(?:notebooks|solutions)/(\d\d)_", name)
+    boxes = page.evaluate(
+        """() => [...document.querySelectorAll('div.exercise, div.solution')].map(e => ({
+             kind: e.classList.contains('exercise') ? 'exercise' : 'solution', id: e.id,
+             title: (e.querySelector(':scope > .admonition-title') || {}).textContent || '',
+             link: ((e.querySelector(':scope > .admonition-title a[href]') || {}).href || '')}))"""
+    )
+    for box in boxes:
+        title = " ".join(box["title"].split())
+        number = EXERCISE_TITLE.search(title)
+        if box["kind"] == "exercise":
+            label = EXERCISE_LABEL.fullmatch(box["id"])
+            if not label:
+                problems.append(f"exercise label {box['id']!r} is not ex-NN-k")
+            elif not title.startswith("Exercise ") or not number or number.groups() != label.groups():
+                problems.append(f"exercise {box['id']} is titled {title!r}, not 'Exercise {label[1]}.{label[2]}'")
+            elif chapter and label[1] != chapter[1]:
+                problems.append(f"exercise {box['id']} on chapter {chapter[1]}'s page")
+        else:
+            target = EXERCISE_LABEL.search(urlsplit(box["link"]).fragment)
+            if not target:
+                problems.append(f"solution {box['id']} ({title!r}) does not link to an ex-NN-k exercise")
+            elif not title.startswith("Solution to Exercise ") or not number or number.groups() != target.groups():
+                problems.append(f"solution to {target[0]} is titled {title!r}")
+    links = page.eval_on_selector_all(
+        "article a[href*='#ex-'], article a[href*='#sol-']", "els => els.map(e => [e.href, e.textContent])"
+    )
+    for href, text in links:
+        fragment = urlsplit(href).fragment
+        label = EXERCISE_LABEL.fullmatch(fragment) or SOLUTION_LABEL.fullmatch(fragment)
+        shown = re.search(r"(\d\d)\.(\d+)", text)
+        if label and shown and shown.groups() != label.groups():
+            problems.append(f"link to #{fragment} says {' '.join(text.split())!r}")
+    return problems
 
 
 @pytest.mark.parametrize("name", PAGES)
 def test_page(name, browser, site, screenshots):
     page, problems = open_page(browser, site, f"{name}.html")
-    check_math(page, problems)
+    n_math = check_math(page, problems)
 
     hrefs = page.eval_on_selector_all("a[href]", "els => els.map(e => e.href)")
     problems += [f"broken link: {b}" for b in broken_links(hrefs, site)]
@@ -128,9 +240,60 @@ def test_page(name, browser, site, screenshots):
             if not page.locator(selector).count():
                 problems.append(f"no {what} button")
 
+    problems += exercise_numbers(page, name)
+
     page.screenshot(path=str(screenshots / f"{name.replace('/', '__')}.png"))
+    expand_everything(page)
+    if n_math:
+        problems += [f"display formula wider than its column: {w}" for w in wide_display_math(page)]
+    measure_scrolling(page, name)
     page.context.close()
     assert not problems, f"{name}:\n  " + "\n  ".join(problems)
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_page_fits_a_phone(name, browser, site, screenshots):
+    """At 390 px, in dark mode: the page is no wider than the screen (a code block may scroll
+    inside itself; the page may not), and loads without errors. Screenshot in ``phone/``."""
+    page, problems = open_page(browser, site, f"{name}.html", viewport=PHONE, dark=True)
+    width = page.evaluate("() => document.documentElement.scrollWidth")
+    if width > PHONE["width"] + 1:
+        problems.append(f"the page is {width} px wide on a {PHONE['width']} px screen: " + "; ".join(
+            page.evaluate(WIDER_THAN_SCREEN, PHONE["width"])))
+    (screenshots / "phone").mkdir(exist_ok=True)
+    page.screenshot(path=str(screenshots / "phone" / f"{name.replace('/', '__')}.png"))
+    page.context.close()
+    assert not problems, f"{name}:\n  " + "\n  ".join(problems)
+
+
+# The elements that stick out of the screen, outside any element that scrolls or clips them.
+WIDER_THAN_SCREEN = """width => {
+  const inScroller = e => { for (let a = e; a; a = a.parentElement) { const style = getComputedStyle(a);
+    if (style.position === 'fixed' || style.visibility === 'hidden' || (a !== e && style.overflowX !== 'visible'))
+      return true; } return false; };
+  return [...document.querySelectorAll('body *')]
+    .filter(e => e.getBoundingClientRect().right > width + 1 && !inScroller(e))
+    .filter(e => !e.parentElement || e.parentElement.getBoundingClientRect().right <= width + 1 || e.parentElement === document.body)
+    .slice(0, 5).map(e => `<${e.tagName.toLowerCase()} class="${e.className}"> ${e.textContent.trim().slice(0, 60)}`);
+}"""
+
+
+def test_few_code_cells_scroll_sideways(browser, site):
+    """Over the whole book, fewer than 5% of code cells and outputs scroll sideways at 1280 px
+    (measured by test_page; pages it did not measure are opened here)."""
+    for name in PAGES:
+        if name not in SCROLLING:
+            page, _ = open_page(browser, site, f"{name}.html")
+            expand_everything(page)
+            measure_scrolling(page, name)
+            page.context.close()
+    blocks = sum(n_code + n_out for n_code, n_out, *_ in SCROLLING.values())
+    scrolling = sum(s_code + s_out for _, _, s_code, s_out, _ in SCROLLING.values())
+    report = [f"{name}: {s_code} of {n_code} code cells, {s_out} of {n_out} outputs\n      " + "\n      ".join(lines)
+              for name, (n_code, n_out, s_code, s_out, lines) in SCROLLING.items() if s_code or s_out]
+    assert blocks and scrolling < MAX_SCROLLING_FRACTION * blocks, (
+        f"{scrolling} of {blocks} code cells and outputs ({scrolling / blocks:.1%}) scroll sideways at 1280 px "
+        f"(at most {MAX_SCROLLING_FRACTION:.0%}):\n  " + "\n  ".join(report))
 
 
 def test_search_finds_a_word(browser, site):

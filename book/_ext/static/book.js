@@ -1,0 +1,35 @@
+// The book's own behaviour on every page (added by book/_ext/book_html.py).
+(function () {
+  "use strict";
+
+  // Menu and page-contents buttons. Each page has two `.primary-toggle` buttons (and two
+  // `.secondary-toggle`): one in pydata-sphinx-theme's header, which sphinx-book-theme hides,
+  // and one in the article's header, the one a reader sees. Both themes bind their handlers
+  // with `document.querySelector(selector)`, that is to the first, hidden button only
+  // (pydata-sphinx-theme's setupMobileSidebarKeyboardHandlers opens the sidebar as a dialog
+  // on a narrow screen; sphinx-book-theme's fixSidebarToggle hides or shows the sidebar on a
+  // wide one). A click on any other copy is forwarded to the bound one, so the themes'
+  // behaviour is kept as it is, only reachable.
+  const LABELS = { ".primary-toggle": "Site navigation", ".secondary-toggle": "On this page" };
+
+  function forwardToggleClicks() {
+    for (const [selector, label] of Object.entries(LABELS)) {
+      const [bound, ...others] = document.querySelectorAll(selector);
+      for (const button of others) {
+        if (!button.hasAttribute("aria-label")) button.setAttribute("aria-label", label);
+        button.addEventListener("click", function (event) {
+          event.preventDefault();
+          event.stopPropagation();
+          button.blur(); // closes the button's tooltip
+          bound.click();
+        });
+      }
+    }
+  }
+
+  if (document.readyState === "loading") {
+    document.addEventListener("DOMContentLoaded", forwardToggleClicks);
+  } else {
+    forwardToggleClicks();
+  }
+})();
