@@ -1,0 +1,151 @@
+"""Launch anywhere (issue 12, item 1): a chapter opened where attnlib is missing installs it.
+
+Every notebook (chapters and solutions) starts with the same hidden cell (id
+``install-attnlib``, tag ``remove-cell``): where attnlib cannot be imported (Colab, Binder
+before its build installed it) it pip-installs ``attnlib[book]`` from the repository, or
+``$ATTNLIB_INSTALL_SOURCE`` when that is set; where attnlib is importable it does nothing.
+``binder/`` configures Binder (repo2docker) with the chapters' pinned dependencies, PyTorch's
+CPU build and attnlib from this repository.
+
+The end-to-end test runs a chapter's first cells in a Jupyter kernel of a fresh virtual
+environment without attnlib, offline: ``ATTNLIB_INSTALL_SOURCE`` names a wheel built from
+this checkout (``--no-build-isolation``, as tests/test_install.py does) and ``PIP_NO_INDEX=1``
+keeps pip off the network; the environment reaches torch, matplotlib, ipykernel, ... through a
+``.pth`` line naming this environment's site-packages, whose own ``.pth`` files (this
+checkout's editable attnlib among them) are not processed from there.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
+CHAPTER = ROOT / "notebooks" / "01_attention_from_averages.ipynb"
+IMPORTS_ATTNLIB = re.compile(r"^\s*(?:import attnlib|from attnlib[\w.]* import)", re.MULTILINE)
+
+
+def install_cell(path: Path) -> nbformat.NotebookNode:
+    return nbformat.read(path, as_version=4).cells[0]
+
+
+def run(cmd: list, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    result = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{cmd} exited with {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_notebook_starts_with_the_install_cell(path):
+    first = install_cell(path)
+    assert first.get("id") == "install-attnlib", f"{path.name}: the first cell is not the install cell"
+    assert first.cell_type == "code" and "remove-cell" in first.metadata.get("tags", []), first.metadata
+    assert first.source == install_cell(CHAPTER).source, f"{path.name}: its install cell differs from chapter 01's"
+    assert not first.get("outputs"), f"{path.name}: the install cell has stored outputs"
+
+
+def test_the_install_cell_does_nothing_where_attnlib_is_importable(monkeypatch):
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: calls.append(args))
+    exec(install_cell(CHAPTER).source, {})  # attnlib is importable here (this checkout)
+    assert calls == []
+
+
+def test_binder_pins_what_the_chapters_need():
+    binder = ROOT / "binder"
+    assert (binder / "runtime.txt").read_text().strip() == "python-3.11"
+    pins = {}
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if "==" in line:
+            name, version = line.split("==")
+            pins[name.lower()] = version
+    lines = [line.split("#")[0].strip() for line in (binder / "requirements.txt").read_text().splitlines()]
+    lines = [line for line in lines if line]
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in lines
+    assert ".[book]" in lines, "binder/requirements.txt does not install attnlib from the repository"
+    binder_pins = dict(line.split("==") for line in lines if "==" in line)
+    assert binder_pins.pop("torch") == pins["torch"] + "+cpu"
+    for name, version in binder_pins.items():
+        assert pins.get(name.lower()) == version, f"binder pins {name}=={version}, requirements.txt {pins.get(name.lower())}"
+    for needed in ("numpy", "matplotlib", "ipywidgets", "ipykernel", "transformers", "tokenizers", "nbclient"):
+        assert needed in binder_pins, f"binder/requirements.txt lacks {needed}"
+
+
+@pytest.fixture(scope="module")
+def fresh_kernel(tmp_path_factory):
+    """``(kernel name, its python, a directory outside the checkout, the wheel)``: a Jupyter kernel
+    of a fresh virtual environment that can import torch and ipykernel but not attnlib."""
+    tmp = tmp_path_factory.mktemp("launch")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env.update(PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PYTHONNOUSERSITE="1")
+
+    src = tmp / "src"  # a wheel from a copy of the sources (building in place would leave build/ behind)
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "attnlib", src / "attnlib", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp / "dist", src],
+        cwd=tmp, env=env)
+    (wheel,) = (tmp / "dist").glob("attnlib-*.whl")
+
+    venv = tmp / "venv"
+    run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp, env=env)
+    python = venv / "bin" / "python"
+    purelib = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                       cwd=tmp, env=env).stdout.strip())
+    (purelib / "zz_attnlib_test_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+
+    kernels = tmp / "jupyter" / "kernels" / "fresh-venv"
+    kernels.mkdir(parents=True)
+    (kernels / "kernel.json").write_text(json.dumps({
+        "argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "fresh venv without attnlib",
+        "language": "python",
+    }))
+    work = tmp / "work"  # outside the checkout: the kernel's cwd must not hold an attnlib/ folder
+    work.mkdir()
+    env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(venv),
+               JUPYTER_PATH=str(tmp / "jupyter"))
+    missing = run([python, "-c", "import importlib.util; print(importlib.util.find_spec('attnlib'))"], cwd=work, env=env)
+    assert missing.stdout.strip() == "None", f"attnlib is importable before the install cell: {missing.stdout}"
+    return python, work, wheel, env
+
+
+def test_a_chapter_installs_attnlib_where_it_is_missing(fresh_kernel, monkeypatch):
+    from nbclient import NotebookClient
+
+    python, work, wheel, env = fresh_kernel
+    nb = nbformat.read(CHAPTER, as_version=4)
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    assert code[0].get("id") == "install-attnlib"
+    first_attnlib = next(i for i, cell in enumerate(code) if IMPORTS_ATTNLIB.search(cell.source))
+    assert first_attnlib > 0
+    probe = nbformat.v4.new_code_cell(
+        "import json, sys, attnlib, importlib.metadata\n"
+        "print(json.dumps([attnlib.__file__, sys.prefix, importlib.metadata.version('attnlib')]))")
+    nb.cells = code[: first_attnlib + 1] + [probe]
+
+    for name in ("PYTHONPATH", "PYTHONHOME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("ATTNLIB_INSTALL_SOURCE", f"attnlib[book] @ {wheel.as_uri()}")
+    NotebookClient(nb, kernel_name="fresh-venv", timeout=240, resources={"metadata": {"path": str(work)}}).execute()
+
+    attnlib_file, prefix, version = json.loads(nb.cells[-1].outputs[0]["text"])
+    venv = python.parent.parent
+    assert Path(prefix) == venv
+    assert Path(attnlib_file).is_relative_to(venv), f"attnlib imported from {attnlib_file}, not the fresh environment"
+    assert version == "1.0.0"
+    errors = [out for cell in nb.cells for out in cell.get("outputs", []) if out.get("output_type") == "error"]
+    assert not errors, errors
