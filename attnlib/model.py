@@ -19,6 +19,7 @@ from attnlib.cache import KVCache, LayerCache, SinkLayerCache
 from attnlib.config import GPTConfig
 from attnlib.feedforward import FeedForward
 from attnlib.generate import decode
+from attnlib.serving.padding import check_attention_mask, mask_positions
 
 __all__ = ["GPT", "Block", "MLP"]
 
@@ -48,11 +49,14 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, cache: LayerCache | None = None, return_weights: bool = False
+        self, x: torch.Tensor, cache: LayerCache | None = None, return_weights: bool = False,
+        key_padding_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``(B, T, d_model)`` → ``(B, T, d_model)``; with ``return_weights`` also the attention
-        weights ``(B, n_heads, T, T_k)`` (computed on the eager path)."""
-        a = self.attn(self.ln_1(x), cache=cache, return_weights=return_weights)
+        weights ``(B, n_heads, T, T_k)`` (computed on the eager path). ``key_padding_mask``
+        ``(B, T_k)`` and ``positions`` ``(B, T)`` go to the attention (left padding, chapter 19)."""
+        padding = {} if key_padding_mask is None else {"key_padding_mask": key_padding_mask, "positions": positions}
+        a = self.attn(self.ln_1(x), cache=cache, return_weights=return_weights, **padding)
         a, weights = a if return_weights else (a, None)
         x = x + a
         x = x + self.mlp(self.ln_2(x))
@@ -128,6 +132,7 @@ class GPT(nn.Module):
         targets: torch.Tensor | None = None,
         cache: KVCache | None = None,
         last_only: bool = False,
+        attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Next-token logits, and the cross-entropy loss when targets are given.
 
@@ -139,6 +144,10 @@ class GPT(nn.Module):
                 ``cache.length, …``; their keys/values are appended to the cache.
             last_only: compute the logits of the last position only, ``(B, 1, vocab_size)``
                 (generation needs no more; the output head is a large share of a step).
+            attention_mask: optional ``(B, cached + T)`` bool, ``True`` = a real token, covering the
+                cached tokens and ``idx`` (chapter 19): padding is never attended to, and each row's
+                positions count its real tokens only (:func:`attnlib.serving.mask_positions`), for
+                the learned table and RoPE alike. A pad's own output is finite but meaningless.
 
         Returns:
             ``(logits, loss)``: logits ``(B, T, vocab_size)`` float; loss a scalar
@@ -146,7 +155,8 @@ class GPT(nn.Module):
 
         Raises:
             TypeError: ``idx`` / ``targets`` not an integer tensor.
-            ValueError: wrong shape, ``T > block_size`` (cached tokens included), or an id outside the vocabulary.
+            ValueError: wrong shape, ``T > block_size`` (cached tokens included), or an id outside the vocabulary;
+                an ``attention_mask`` of another shape or with a row of padding only (named).
         """
         idx = self.check_idx(idx)
         B, T = idx.shape
@@ -165,9 +175,14 @@ class GPT(nn.Module):
             raise ValueError(
                 f"the cache holds {start} tokens; {T} more exceed block_size={self.config.block_size}"
             )
-        x = self.embed(idx, start)
+        positions = None
+        if attention_mask is not None:
+            check_attention_mask(attention_mask, (B, start + T), idx.device)
+            positions = mask_positions(attention_mask)[:, -T:]  # (B, T): each row from its first real token
+        x = self.embed(idx, start) if positions is None else self.embed_at(idx, positions)
         for i, block in enumerate(self.blocks):
-            x = block(x, None if cache is None else cache.layers[i])
+            layer_cache = None if cache is None else cache.layers[i]
+            x = block(x, layer_cache, key_padding_mask=attention_mask, positions=positions)
         if last_only:
             x = x[:, -1:, :]  # (B, T, d_model) -> (B, 1, d_model)
         logits = self.lm_head(self.ln_f(x))  # (B, T, d_model) -> (B, T, vocab_size)
@@ -199,6 +214,13 @@ class GPT(nn.Module):
         pos = torch.arange(start, start + idx.shape[1], device=idx.device)  # (T,)
         return self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, d_model) + (T, d_model) -> (B, T, d_model)
 
+    def embed_at(self, idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token embeddings plus the learned position table (when the model has one, ``pos_emb``) at
+        per-row ``positions`` ``(B, T)``, then dropout: ``(B, T, d_model)``. Chapter 19 (left padding)."""
+        x = self.tok_emb(idx)
+        table = getattr(self, "pos_emb", None)  # a ModernDecoder with RoPE, ALiBi or NoPE has none
+        return self.drop(x if table is None else x + table(positions))  # (B, T, d) + (B, T, d)
+
     @torch.no_grad()
     def attention_weights(self, idx: torch.Tensor) -> torch.Tensor:
         """Every layer's attention weights for ``idx``: what the attention explorer shows (chapter 12).
@@ -224,29 +246,42 @@ class GPT(nn.Module):
             weights.append(w)
         return torch.stack(weights)  # n_layers x (B, n_heads, T, T) -> (n_layers, B, n_heads, T, T)
 
-    def new_cache(self) -> KVCache:
-        """An empty :class:`attnlib.cache.KVCache` for this model."""
+    def new_cache(self, windows: bool = True) -> KVCache:
+        """An empty :class:`attnlib.cache.KVCache` for this model.
+
+        ``windows=False``: every layer a full :class:`~attnlib.cache.LayerCache`, also the windowed ones
+        (whose window is then applied as a mask): what batched generation with padding uses, since a
+        ring buffer takes no padding mask. Same tokens; the ring buffer's memory saving is lost.
+        """
+        if not windows:
+            return KVCache(self.config.n_layers, self.config.block_size)
         return KVCache.for_model(self)
 
     @torch.no_grad()
-    def next_token_logits(self, idx: torch.Tensor, cache: KVCache | None, n_new: int) -> tuple[torch.Tensor, KVCache | None]:
+    def next_token_logits(self, idx: torch.Tensor, cache: KVCache | None, n_new: int,
+                          attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache | None]:
         """Logits for the token after ``idx``, feeding only the last ``n_new`` tokens through ``cache``.
 
         Without a cache, the last ``block_size`` tokens are encoded from scratch. With one,
         the new tokens are appended; when they would not fit, the window slides: the cache
         is emptied and refilled with the last ``block_size`` tokens, exactly what the uncached
-        path sees (learned absolute positions cannot be shifted inside a cache).
+        path sees (learned absolute positions cannot be shifted inside a cache). ``attention_mask``
+        ``(B, T)`` (left padding, chapter 19) is cropped with the tokens: each row's last ``block_size``
+        real tokens are always inside the window, at the positions they have alone.
 
         Returns:
             ``(logits (B, vocab_size), cache)``.
         """
         block_size = self.config.block_size
+        mask = attention_mask
         if cache is None:
-            return self(idx[:, -block_size:], last_only=True)[0][:, -1, :], None
+            mask = None if mask is None else mask[:, -block_size:]
+            return self(idx[:, -block_size:], last_only=True, attention_mask=mask)[0][:, -1, :], None
         if cache.next_position + n_new > block_size or cache.length == 0:
             cache.reset()  # the window slides: re-encode it from position 0, reusing the buffers
             n_new = min(idx.shape[1], block_size)
-        return self(idx[:, -n_new:], cache=cache, last_only=True)[0][:, -1, :], cache
+        mask = None if mask is None else mask[:, -(cache.length + n_new):]  # the cached tokens and the new ones
+        return self(idx[:, -n_new:], cache=cache, last_only=True, attention_mask=mask)[0][:, -1, :], cache
 
     @torch.no_grad()
     def generate(
@@ -259,6 +294,7 @@ class GPT(nn.Module):
         generator: torch.Generator | None = None,
         use_cache: bool = True,
         stop_tokens: int | Iterable[int] | torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Extend ``idx`` by up to ``max_new_tokens`` tokens, one at a time (chapters 08, 12).
 
@@ -279,15 +315,20 @@ class GPT(nn.Module):
             use_cache: decode with a :class:`attnlib.cache.KVCache`.
             stop_tokens: an id or ids that end a sequence; a row that has produced one is padded
                 with it from then on, and generation ends early once every row has.
+            attention_mask: ``(B, T)`` bool, ``True`` = a real token, for prompts of different lengths
+                left-padded into one batch (:func:`attnlib.serving.left_pad`; chapter 19). Each row gets
+                the tokens it gets alone: pads are never attended to and positions start at each row's
+                first real token. With it, windowed layers use a full cache with the window as a mask.
 
         Returns:
             ``(B, T + n)`` int64 with ``n <= max_new_tokens``.
 
         Raises:
-            TypeError / ValueError: a bad prompt, ``max_new_tokens``, sampling setting or stop token,
-            all checked before the first forward pass.
+            TypeError / ValueError: a bad prompt, ``max_new_tokens``, sampling setting or stop token, an
+            ``attention_mask`` that is not bool, not ``idx``'s shape, all padding in a row or not left
+            padding (the row named); all checked before the first forward pass.
         """
         with eval_mode(self):
             return decode(self, idx, max_new_tokens, vocab_size=self.config.vocab_size, temperature=temperature,
                           top_k=top_k, top_p=top_p, generator=generator, use_cache=use_cache,
-                          stop_tokens=stop_tokens)
+                          stop_tokens=stop_tokens, attention_mask=attention_mask)

@@ -29,6 +29,18 @@ __all__ = ["KV_SHARING", "MultiHeadAttention"]
 KV_SHARING = ("fold", "repeat_interleave")
 
 
+def check_positions(positions: object, x: torch.Tensor) -> None:
+    """Raise unless ``positions`` is a ``(B, T)`` integer tensor on ``x``'s device, every entry >= 0."""
+    if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
+        raise TypeError(f"positions must be an integer tensor (B, T); got {getattr(positions, 'dtype', type(positions).__name__)}")
+    if tuple(positions.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"positions must have shape (B, T) = {tuple(x.shape[:2])}; got {tuple(positions.shape)}")
+    if positions.device != x.device:
+        raise ValueError(f"positions is on {positions.device} but x is on {x.device}")
+    if positions.numel() and int(positions.min()) < 0:
+        raise ValueError(f"positions must be >= 0; got a minimum of {int(positions.min())}")
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention with ``n_kv_heads`` key/value heads, optionally over a ``context``.
 
@@ -63,6 +75,9 @@ class MultiHeadAttention(nn.Module):
 
     #: Whether a mask may differ between heads (talking heads mixes heads, so it cannot honour one).
     per_head_masks = True
+    #: Whether :meth:`project` takes per-row ``positions`` (RoPE does; a layer without position
+    #: information, or with only relative ones -- ALiBi, the window -- has no use for them).
+    takes_positions = False
 
     def __init__(
         self,
@@ -256,6 +271,7 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: torch.Tensor | None = None,
         cache: LayerCache | None = None,
         return_weights: bool = False,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from ``x`` to itself (or to ``context``).
 
@@ -270,6 +286,10 @@ class MultiHeadAttention(nn.Module):
             cache: a :class:`attnlib.cache.LayerCache`: the new positions are appended and attend to
                 every cached one (``T_k`` = cached length; causal mask aligned bottom-right). Chapter 08.
             return_weights: also return the weights ``(B, n_heads, T, T_k)`` (eager function).
+            positions: optional ``(B, T)`` integer positions of the new tokens, one row per sequence
+                (batched generation with left padding, chapter 19: each row counts from its first real
+                token). Only a layer with :attr:`takes_positions` (RoPE) uses them; default
+                ``cache.length, …, cache.length + T - 1`` for every row.
 
         Returns:
             ``(B, T, d_model)``, or ``(output, weights)`` with ``return_weights``. A query with
@@ -279,7 +299,10 @@ class MultiHeadAttention(nn.Module):
             TypeError / ValueError: see :meth:`check_inputs`; each names the argument and value.
         """
         mask = self.check_inputs(x, context, mask, key_padding_mask, cache)
-        q, k, v = self.project(x, context, cache)
+        if positions is not None:
+            check_positions(positions, x)
+        use = positions is not None and self.takes_positions
+        q, k, v = self.project(x, context, cache, positions=positions) if use else self.project(x, context, cache)
         visible = None if cache is None else cache.visible(q.shape[-2])  # a sink cache's keys are not contiguous
         if visible is None and self.window_mod is not None:  # the window, aligned to the newest keys
             visible = mask_from_mod(self.window_mod, (1, 1, q.shape[-2], k.shape[-2]), x.device)[0, 0]

@@ -49,6 +49,8 @@ class RotaryAttention(MultiHeadAttention):
 
     #: RoPE can number positions within a cache (StreamingLLM; :class:`attnlib.cache.SinkLayerCache`).
     renumbers_positions = True
+    #: RoPE rotates by per-row positions when given (batched generation with left padding, chapter 19).
+    takes_positions = True
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, *, block_size: int | None = None,
                  dropout: float = 0.0, bias: bool = False, attn_fn: str = "sdpa", head_dim: int | None = None,
@@ -69,8 +71,18 @@ class RotaryAttention(MultiHeadAttention):
         self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
 
     def project(self, x: torch.Tensor, context: torch.Tensor | None = None, cache: LayerCache | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries ``(B, n_heads, T, head_dim)`` and keys normalised (QK-norm) and rotated; then cached."""
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries ``(B, n_heads, T, head_dim)`` and keys normalised (QK-norm) and rotated; then cached.
+
+        ``positions``: ``None`` (every row at ``cache.length, …``) or ``(B, T)`` per-row positions
+        (checked by the caller); each row's keys are rotated, and cached, at its own positions.
+
+        Raises:
+            ValueError: ``positions`` with a sink cache (it numbers positions itself).
+        """
+        renumbers = getattr(cache, "renumbers", False)
+        if renumbers and positions is not None and self.rope is not None:
+            raise ValueError("positions cannot be given with a sink cache: it numbers positions within the cache")
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.qkv(x).split([q_width, kv_width, kv_width], dim=-1)
         q, k, v = self.split_heads(q, self.n_heads), self.split_heads(k, self.n_kv_heads), self.split_heads(v, self.n_kv_heads)
@@ -79,13 +91,16 @@ class RotaryAttention(MultiHeadAttention):
         T = x.shape[1]
         if self.rope is None:  # no rotation (ALiBi or no position information): as MultiHeadAttention
             return q, *(cache.update(k=k, v=v) if cache is not None else (k, v))
-        if getattr(cache, "renumbers", False):  # StreamingLLM: keys stored unrotated, rotated at cache positions
+        if renumbers:  # StreamingLLM: keys stored unrotated, rotated at cache positions
             k, v = cache.update(k=k, v=v)
             n = k.shape[-2]
             k = self.rope.rotate(k, torch.arange(n, device=x.device))
             return self.rope.rotate(q, torch.arange(n - T, n, device=x.device)), k, v
-        start = 0 if cache is None else cache.length
-        positions = torch.arange(start, start + T, device=x.device)  # absolute positions of the new tokens
+        if positions is None:
+            start = 0 if cache is None else cache.length
+            positions = torch.arange(start, start + T, device=x.device)  # absolute positions of the new tokens
+        else:
+            positions = positions[:, None, :]  # (B, T) -> (B, 1, T): the same positions in every head
         q, k = self.rope.rotate(q, positions), self.rope.rotate(k, positions)
         if cache is not None:
             k, v = cache.update(k=k, v=v)  # keys cached rotated: never rotated again
