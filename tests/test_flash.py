@@ -182,3 +182,18 @@ def test_bad_inputs(call, error, match):
     q, k, v = (t.detach() for t in qkv(1, 2, 5, 5, 4))
     with pytest.raises(error, match=match):
         call(q, k, v)
+
+
+def test_bench_flash_rows_and_table():
+    from attnlib.bench.flash import flash_rows, format_flash
+
+    rows = flash_rows([16, 32], methods=["flash", "naive"], n_heads=2, head_dim=8, tile_size=8, repeats=1, warmup=0,
+                      device="cpu")
+    assert [(r["method"], r["seq_len"]) for r in rows] == [(m, T) for T in (16, 32) for m in ("sdpa", "flash", "naive")]
+    flash = {r["seq_len"]: r for r in rows if r["method"] == "flash"}
+    assert flash[32]["saved_mib"] == 2 * flash[16]["saved_mib"]  # Q, K, V, O and L: linear in T
+    assert all(r["max_abs_diff"] < 1e-5 and r["forward_backward_ms"] > 0 for r in rows)
+    settings = dict(batch=1, n_heads=2, head_dim=8, causal=True, dtype="float32", tile_size=8, repeats=1, warmup=0)
+    assert "saved / flash" in format_flash(rows, settings)
+    with pytest.raises(ValueError, match="unknown method 'fast'"):
+        flash_rows([16], methods=["fast"])
