@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -14,8 +15,28 @@ from torch.utils import benchmark
 
 import attnlib
 
-__all__ = ["environment", "load_average", "format_environment", "format_table", "load_results", "resolve_device",
+__all__ = ["Command", "environment", "load_average", "format_environment", "format_table", "load_results", "resolve_device",
            "threads", "time_calls", "write_json"]
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """A benchmark the command line runs by name, defined next to its rows and table.
+
+    Attributes:
+        help: the one-line description in ``--help``.
+        add_arguments: ``(parser) -> None``: its own flags (the common ones are added for it).
+        check: ``(parser, args) -> None``: fill ``--small`` defaults, ``parser.error`` on bad combinations.
+        run: ``(args, device) -> (settings, rows, text, summary)``.
+        repeats, warmup: defaults of ``--repeats`` and ``--warmup``.
+    """
+
+    help: str
+    add_arguments: Callable
+    check: Callable
+    run: Callable
+    repeats: int = 3
+    warmup: int = 1
+
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

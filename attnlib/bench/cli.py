@@ -21,13 +21,16 @@ import torch
 from attnlib.bench._common import DTYPES, environment, format_environment, load_average, resolve_device, write_json
 from attnlib.bench._common import threads as using_threads
 from attnlib.bench.kv_cache import GPT2_SMALL, TINY, VARIANTS, format_kv_cache, kv_cache_rows
+from attnlib.bench.long_context import COMMAND as LONG_CONTEXT_COMMAND
 from attnlib.bench.memory import METHODS, format_memory, memory_rows
 from attnlib.bench.mha import CORES, LAYERS, MHA_DEFAULTS, format_mha, mha_rows, mha_summary
 from attnlib.bench.train import TRAIN_SIZES, TRAIN_SMALL, format_train, train_rows
 
 __all__ = ["BENCHMARKS", "main"]
 
-BENCHMARKS = ("mha", "kv-cache", "memory", "train")
+#: Benchmarks defined by a :class:`attnlib.bench._common.Command` next to their rows (newer ones).
+COMMANDS = {"long-context": LONG_CONTEXT_COMMAND}
+BENCHMARKS = ("mha", "kv-cache", "memory", "train", *COMMANDS)
 #: Sizes of ``--small`` runs: seconds on a laptop CPU.
 MHA_SMALL = dict(batch=2, seq_len=64, d_model=64, n_heads=4)
 MEMORY_SMALL = dict(seq_lens=[32, 64], n_heads=2, head_dim=16)
@@ -146,6 +149,11 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--batch", type=positive, default=None, help="sequences per step (default: each size's own)")
     tr.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     common(tr, "train", repeats=5, warmup=2)
+
+    for name, command in COMMANDS.items():
+        q = sub.add_parser(name, help=command.help)
+        command.add_arguments(q)
+        common(q, name, repeats=command.repeats, warmup=command.warmup)
     return p
 
 
@@ -186,6 +194,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.head_dim = args.head_dim or (MEMORY_SMALL["head_dim"] if args.small else 64)
         if args.device is not None and args.device.type not in ("cpu", "cuda"):
             parser.error(f"argument --device: peak memory is measured on cpu or cuda; got {str(args.device)!r}")
+    elif args.benchmark in COMMANDS:
+        COMMANDS[args.benchmark].check(parser, args)
     else:
         sizes = TRAIN_SMALL if args.small else {name: TRAIN_SIZES[name] for name in args.sizes}
         args.train_sizes = {name: (config, args.batch or batch) for name, (config, batch) in sizes.items()}
@@ -232,6 +242,9 @@ def _run(args: argparse.Namespace, argv: list[str]) -> dict:
                            causal=args.causal, device=device, dtype=DTYPES[args.dtype], repeats=args.repeats,
                            tile_size=args.tile_size, isolate=args.isolate)
         text, summary = format_memory(rows, settings), {}
+    elif args.benchmark in COMMANDS:
+        settings, rows, text, summary = COMMANDS[args.benchmark].run(args, device)
+        settings.update(common)
     else:
         settings = dict(sizes={name: dict(config=dataclasses.asdict(c), batch=b) for name, (c, b) in args.train_sizes.items()},
                         dtype=args.dtype, **common)
