@@ -1,0 +1,160 @@
+"""Continuous batching on the paged cache, and what paging saves. Chapter 19.
+
+*Static* batching (``GPT.generate`` with ``attention_mask``) runs a batch until its longest request is
+done: a finished row keeps its slot, and a new request waits for the whole batch. *Continuous*
+batching (Yu et al. 2022, "Orca", iteration-level scheduling; vLLM) decides again at every step:
+finished requests leave, waiting ones join. :func:`serve` does this on a
+:class:`~attnlib.serving.paged.PagedKVCache`: a joining request is prefilled alone (its prompt
+through the model, its pages taken), then decodes one token per step in the running batch, whose
+rows have different lengths (the cache returns them right-aligned with a mask). A leaving request
+gives its pages back at once. Without pages, a joining request would need a contiguous slab of
+``block_size`` positions free, or the running batch's caches copied into a new layout.
+
+Admission is conservative: a request joins only if the free pages cover the most it can still need
+(prompt + ``max_new_tokens``) on top of what the running requests may still take, so nothing is
+ever evicted (vLLM instead admits greedily and preempts: swapping or recomputing a victim's pages).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+
+from attnlib._checks import positive_int, token_ids
+from attnlib.decoding import check_decoding, stop_mask
+from attnlib.sampling import sample_next_token
+from attnlib.serving.paged import PageAllocator, PagedKVCache
+
+__all__ = ["cache_memory", "request_lengths", "serve"]
+
+
+def request_lengths(n: int, max_len: int, seed: int = 0) -> list[int]:
+    """A mix of ``n`` request lengths (prompt + output) in ``[1, max_len]``, log-uniform (many short
+    requests, a few long ones, as in chat traffic), from ``seed``."""
+    positive_int("n", n)
+    positive_int("max_len", max_len)
+    u = torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return [max(1, min(max_len, int(round(math.exp(x * math.log(max_len)))))) for x in u.tolist()]
+
+
+def cache_memory(lengths: Sequence[int], max_len: int, page_size: int, bytes_per_token: int = 1) -> dict:
+    """KV-cache positions a set of requests occupies three ways, the paged one measured on a :class:`PageAllocator`.
+
+    * ``contiguous``: every request preallocates ``max_len`` positions (a :class:`~attnlib.cache.KVCache`);
+    * ``padded``: one static batch, every row as long as the longest request;
+    * ``paged``: pages of ``page_size`` taken as needed (at most ``page_size - 1`` positions wasted per request).
+
+    Args:
+        lengths: positions each request ends with (prompt + output), each in ``[1, max_len]``.
+        max_len: the model's context (``block_size``).
+        page_size: positions per page, an int >= 1.
+        bytes_per_token: bytes one position takes in all layers (``model.kv_cache_bytes_per_token()``).
+
+    Returns:
+        ``{"requests", "tokens", "<scheme>_positions", "<scheme>_bytes", "<scheme>_waste"}`` for each scheme
+        (waste = the fraction of the reserved positions that hold no token), and ``"paged_pages"``.
+
+    Raises:
+        TypeError / ValueError: ``page_size`` (named) or ``max_len`` not an int >= 1; no lengths, or one outside
+            ``[1, max_len]``.
+    """
+    positive_int("page_size", page_size)
+    positive_int("max_len", max_len)
+    lengths = list(lengths)
+    if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_len for n in lengths):
+        raise ValueError(f"lengths must be a non-empty list of ints in [1, max_len={max_len}]; got {lengths[:8]}")
+    alloc = PageAllocator(sum(math.ceil(n / page_size) for n in lengths), page_size)
+    for n in lengths:
+        alloc.ensure(alloc.new_sequence(), n)  # what each sequence takes by the time it has n positions
+    tokens = sum(lengths)
+    result = {"requests": len(lengths), "tokens": tokens, "paged_pages": alloc.pages_used}
+    for scheme, positions in (("contiguous", len(lengths) * max_len), ("padded", len(lengths) * max(lengths)),
+                              ("paged", alloc.pages_used * page_size)):
+        result[f"{scheme}_positions"] = positions
+        result[f"{scheme}_bytes"] = positions * bytes_per_token
+        result[f"{scheme}_waste"] = 1.0 - tokens / positions
+    return result
+
+
+@torch.no_grad()
+def serve(model, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int | Sequence[int], *,
+          max_batch: int = 4, page_size: int = 16, n_pages: int | None = None, temperature: float = 0.0,
+          generator: torch.Generator | None = None, stop_tokens=None) -> tuple[list[torch.Tensor], list[dict]]:
+    """Generate for every prompt with continuous batching on a paged cache.
+
+    Args:
+        model: a :class:`attnlib.GPT` or :class:`attnlib.ModernDecoder` (run in eval mode, left so).
+        prompts: the requests, in arrival order: non-empty lists or 1-D tensors of ids.
+        max_new_tokens: tokens to generate per request (one int for all, or one per request), >= 1;
+            prompt + ``max_new_tokens`` must fit in ``block_size``.
+        max_batch: most requests decoding together.
+        page_size, n_pages: the pool (default: enough pages for ``max_batch`` requests of ``block_size``).
+        temperature, generator: as :meth:`attnlib.GPT.generate` (``0`` = greedy).
+        stop_tokens: ids that end a request early (the stop token is kept).
+
+    Returns:
+        ``(outputs, trace)``: ``outputs[i]`` 1-D int64, prompt ``i`` and its new tokens (greedily, exactly what
+        ``model.generate`` gives it alone); ``trace``: one dict per decode step with ``"running"`` (the
+        request indices in the batch), ``"joined"``, ``"left"`` and ``"pages_used"``.
+
+    Raises:
+        TypeError / ValueError: a bad prompt (named by index), ``max_new_tokens`` or pool size; a request
+            longer than ``block_size`` or than the whole pool.
+    """
+    vocab, block = model.config.vocab_size, model.config.block_size
+    stops = check_decoding(vocab, 1, temperature=temperature, stop_tokens=stop_tokens)
+    positive_int("max_batch", max_batch)
+    positive_int("page_size", page_size)
+    prompts = [token_ids(f"prompts[{i}]", torch.as_tensor(p)[None], vocab)[0] for i, p in enumerate(prompts)]
+    budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(budgets) != len(prompts):
+        raise ValueError(f"max_new_tokens gives {len(budgets)} budgets for {len(prompts)} prompts")
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        positive_int(f"max_new_tokens[{i}]", n)
+        if p.numel() == 0 or p.numel() + n > block:
+            raise ValueError(f"request {i}: prompt of {p.numel()} tokens + {n} new must be in [1, block_size={block}]")
+    n_pages = max_batch * math.ceil(block / page_size) if n_pages is None else n_pages
+    cache = PagedKVCache.for_model(model, n_pages, page_size)
+    alloc = cache.allocator
+    worst = [alloc.pages_for(p.numel() + n) for p, n in zip(prompts, budgets)]  # the most each may take
+    if max(worst) > n_pages:
+        i = worst.index(max(worst))
+        raise ValueError(f"request {i} may need {worst[i]} pages of {page_size}; the pool has n_pages={n_pages}")
+    model.eval()
+    outputs: list[torch.Tensor] = list(prompts)
+    waiting, running, trace = deque(range(len(prompts))), {}, []  # running: request -> sequence id
+
+    def emit(requests: list[int], logits: torch.Tensor) -> list[int]:
+        """Append the next token of each request; return those that are done."""
+        nxt = sample_next_token(logits, temperature, generator=generator)[:, 0]
+        done = []
+        for r, t in zip(requests, nxt.tolist()):
+            outputs[r] = torch.cat([outputs[r], torch.tensor([t])])
+            if outputs[r].numel() - prompts[r].numel() == budgets[r] or stop_mask(torch.tensor(t), stops):
+                done.append(r)
+        return done
+
+    while waiting or running:
+        joined, left = [], []
+        owed = sum(worst[r] - len(alloc.table(s)) for r, s in running.items())  # pages the running may still take
+        while waiting and len(running) < max_batch and len(alloc.free) - owed >= worst[waiting[0]]:
+            r = waiting.popleft()
+            seq = running[r] = cache.add_sequence()
+            logits = model(prompts[r][None], cache=cache.select([seq]), last_only=True)[0][:, -1]  # prefill alone
+            owed += worst[r] - len(alloc.table(seq))
+            joined.append(r)
+            left += emit([r], logits)
+        for r in left:
+            cache.release(running.pop(r))
+        if running:
+            requests = list(running)
+            cache.select([running[r] for r in requests])
+            last = torch.stack([outputs[r][-1] for r in requests])[:, None]  # (B, 1): each row's newest token
+            logits = model(last, cache=cache, attention_mask=cache.attention_mask(1), last_only=True)[0][:, -1]
+            done = emit(requests, logits)
+            trace.append({"running": requests, "joined": joined, "left": left + done, "pages_used": alloc.pages_used})
+            for r in done:
+                cache.release(running.pop(r))
+    return outputs, trace

@@ -1,0 +1,238 @@
+"""A paged KV cache: PagedAttention's allocation scheme (Kwon et al. 2023, "Efficient Memory Management for
+Large Language Model Serving with PagedAttention", §4.1-4.3). Chapter 19.
+
+A contiguous cache (:class:`attnlib.cache.KVCache`) reserves ``block_size`` positions for every sequence
+up front, because it cannot know how long the sequence will grow; most of it stays empty. vLLM cuts
+the cache into fixed-size *pages* (the paper's "KV blocks") of ``page_size`` positions, shared by all
+sequences through one *free list*. Each sequence has a *block table*: the pages it holds, in order.
+Position ``p`` of a sequence lives in page ``table[p // page_size]`` at offset ``p % page_size``. A
+sequence takes a page only when it needs one, so it wastes less than one page; a finished sequence
+gives its pages back to the free list for the next request.
+
+Here the pages are gathered into one contiguous tensor per row at every step (vLLM's kernel reads the
+pages in place instead): the allocation scheme is the point, and attention through the gathered tensor
+is the same attention, so the logits equal the contiguous cache's (tests/test_paged_cache.py). A batch
+of sequences of different lengths comes back right-aligned (left-padded), the same layout as batched
+generation with padding, with :meth:`PagedKVCache.attention_mask` to go with it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attnlib._checks import positive_int
+from attnlib.cache import KVCache, LayerCache
+
+__all__ = ["OutOfPages", "PageAllocator", "PagedKVCache", "PagedLayerCache"]
+
+
+class OutOfPages(RuntimeError):
+    """The free list is empty: no page left for a sequence that needs one (a scheduler admits less)."""
+
+
+class PageAllocator:
+    """The free list and one block table per sequence: which pages each sequence holds.
+
+    Args:
+        n_pages: pages in the pool (shared by every sequence and every layer).
+        page_size: positions per page, an int >= 1.
+
+    Raises:
+        TypeError / ValueError: ``n_pages`` or ``page_size`` not an int >= 1 (named).
+    """
+
+    def __init__(self, n_pages: int, page_size: int) -> None:
+        positive_int("n_pages", n_pages)
+        positive_int("page_size", page_size)
+        self.n_pages, self.page_size = n_pages, page_size
+        self.free = list(range(n_pages - 1, -1, -1))  # a stack: pop() hands out page 0 first
+        self.tables: dict[int, list[int]] = {}  # sequence id -> block table (its pages, in order)
+        self._next_id = 0
+
+    def new_sequence(self) -> int:
+        """Register an empty sequence (no page yet); return its id."""
+        seq, self._next_id = self._next_id, self._next_id + 1
+        self.tables[seq] = []
+        return seq
+
+    def table(self, seq: int) -> list[int]:
+        """The block table of ``seq``. Raises ValueError for an unknown (or released) sequence."""
+        if seq not in self.tables:
+            raise ValueError(f"sequence {seq!r} is not in the cache (released, or never added)")
+        return self.tables[seq]
+
+    def pages_for(self, n_positions: int) -> int:
+        """Pages that ``n_positions`` positions occupy: ``ceil(n_positions / page_size)``."""
+        return math.ceil(n_positions / self.page_size)
+
+    def ensure(self, seq: int, n_positions: int) -> None:
+        """Give ``seq`` pages from the free list until it can hold ``n_positions`` positions.
+
+        Raises:
+            OutOfPages: the free list ran out (the pages taken so far stay with ``seq``).
+        """
+        table = self.table(seq)
+        while len(table) < self.pages_for(n_positions):
+            if not self.free:
+                raise OutOfPages(f"no free page for sequence {seq} ({self.n_pages} pages of {self.page_size} "
+                                 f"positions, all in use)")
+            table.append(self.free.pop())
+
+    def release(self, seq: int) -> None:
+        """Return the pages of ``seq`` to the free list and forget it."""
+        self.free.extend(reversed(self.table(seq)))
+        del self.tables[seq]
+
+    def locate(self, seq: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page and offset of each of ``positions`` (1-D int64) of ``seq``: ``(page ids, offsets)``."""
+        table = torch.tensor(self.table(seq), dtype=torch.long)
+        return table[positions // self.page_size], positions % self.page_size
+
+    @property
+    def pages_used(self) -> int:
+        return self.n_pages - len(self.free)
+
+
+class PagedLayerCache(LayerCache):
+    """One layer's pool of pages, read and written through the shared :class:`PageAllocator`.
+
+    Each named tensor (keys ``(B, heads, T, head_dim)``, values, or MLA's latent ``(B, T, d_c)``) is stored
+    as ``(n_pages, page_size, *per-row shape without T)``, allocated on first use. :meth:`update`
+    writes row ``b``'s new positions into the pages of the ``b``-th sequence of the batch
+    (:meth:`PagedKVCache.select`) and returns every cached position, gathered, each row right-aligned
+    to the longest: ``(B, …, max_length + T_new, width)``, the left zeros to be masked.
+    """
+
+    def __init__(self, max_len: int, owner: PagedKVCache) -> None:
+        positive_int("max_len", max_len)
+        self.max_len, self.owner = max_len, owner
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.lengths: dict[int, int] = {}  # sequence id -> positions this layer holds
+
+    @property
+    def length(self) -> int:
+        """Positions of the longest sequence of the batch (the time axis :meth:`update` returns, before the new)."""
+        return max((self.lengths.get(s, 0) for s in self.owner.batch), default=0)
+
+    def update(self, **new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        T_new = self.check_new(new)
+        batch, alloc = self.owner.batch, self.owner.allocator
+        B = next(iter(new.values())).shape[0]
+        if B != len(batch):
+            raise ValueError(f"the batch has {len(batch)} sequences (PagedKVCache.select); got tensors of batch {B}")
+        width = self.length + T_new
+        if width > self.max_len:
+            raise ValueError(f"a sequence would hold {width} positions; max_len={self.max_len}")
+        out = {name: [] for name in new}
+        for b, seq in enumerate(batch):
+            start = self.lengths.get(seq, 0)
+            alloc.ensure(seq, start + T_new)  # the first layer takes the pages; the others find them
+            pages, offsets = alloc.locate(seq, torch.arange(start + T_new))
+            for name, t in new.items():
+                pool = self.pool(name, t)
+                row = t[b].movedim(-2, 0)  # (..., T_new, w) -> (T_new, ..., w)
+                pool[pages[start:], offsets[start:]] = row  # write the new positions into their pages
+                past = pool[pages, offsets].movedim(0, -2)  # gather: (start + T_new, ...) -> (..., start + T_new, w)
+                pad = past.new_zeros(*past.shape[:-2], width - past.shape[-2], past.shape[-1])
+                out[name].append(torch.cat([pad, past], dim=-2))  # right-aligned: the left padding is masked
+            self.lengths[seq] = start + T_new
+        return tuple(torch.stack(rows) for rows in out.values())  # (B, ..., width, w)
+
+    def pool(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The pages of ``name``, ``(n_pages, page_size, *t.shape[1:-2], width)``, allocated on first use."""
+        if name not in self.buffers:
+            alloc = self.owner.allocator
+            shape = (alloc.n_pages, alloc.page_size, *t.shape[1:-2], t.shape[-1])
+            self.buffers[name] = torch.zeros(shape, dtype=t.dtype, device=t.device)
+        pool = self.buffers[name]
+        if pool.shape[2:] != (*t.shape[1:-2], t.shape[-1]) or pool.dtype != t.dtype or pool.device != t.device:
+            raise ValueError(f"the pages of {name!r} are {tuple(pool.shape)} {pool.dtype} on {pool.device}; "
+                             f"cannot append {tuple(t.shape)} {t.dtype} on {t.device}")
+        return pool
+
+    def forget(self, seq: int) -> None:
+        self.lengths.pop(seq, None)
+
+    def reset(self) -> None:
+        self.owner.reset()
+
+    def reorder(self, index: torch.Tensor) -> None:
+        raise ValueError("a paged cache cannot reorder rows for beam search: forking a sequence needs "
+                         "copy-on-write pages (vLLM §4.4), which this teaching version leaves out")
+
+    def bytes_per_token(self) -> int:
+        return sum(p[0, 0].numel() * p.element_size() for p in self.buffers.values())
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.buffers.values())
+
+
+class PagedKVCache(KVCache):
+    """A KV cache for many sequences in one shared pool of pages. Chapter 19.
+
+    Use it where a :class:`attnlib.cache.KVCache` goes (``model(idx, cache=cache)``): the rows of
+    ``idx`` are the sequences chosen with :meth:`select`. Sequences of different lengths in one batch
+    need ``attention_mask=cache.attention_mask(T_new)``.
+
+    Args:
+        n_layers: attention layers of the model.
+        max_len: positions a sequence may reach (the model's ``block_size``).
+        n_pages: pages in the pool.
+        page_size: positions per page, an int >= 1 (vLLM's default block size is 16).
+
+    Raises:
+        TypeError / ValueError: a size that is not an int >= 1 (``page_size=0`` is named).
+    """
+
+    def __init__(self, n_layers: int, max_len: int, n_pages: int, page_size: int) -> None:
+        positive_int("n_layers", n_layers)
+        positive_int("max_len", max_len)
+        self.allocator = PageAllocator(n_pages, page_size)
+        self.max_len = max_len
+        self.batch: list[int] = []  # the sequence ids of the current rows, in order
+        self.layers = [PagedLayerCache(max_len, self) for _ in range(n_layers)]
+
+    @classmethod
+    def for_model(cls, model, n_pages: int, page_size: int = 16) -> PagedKVCache:
+        """An empty paged cache for ``model`` (a GPT); windowed layers keep every position (the window is a mask)."""
+        return cls(model.config.n_layers, model.config.block_size, n_pages, page_size)
+
+    def add_sequence(self) -> int:
+        """A new, empty sequence (no page taken yet); returns its id."""
+        return self.allocator.new_sequence()
+
+    def select(self, seqs: list[int]) -> PagedKVCache:
+        """Make ``seqs`` the rows of the next forward passes, in this order; returns the cache."""
+        for s in seqs:
+            self.allocator.table(s)  # raises for an unknown sequence
+        if len(set(seqs)) != len(seqs):
+            raise ValueError(f"a sequence can be only one row of a batch; got {seqs}")
+        self.batch = list(seqs)
+        return self
+
+    def release(self, seq: int) -> None:
+        """A finished sequence: its pages go back to the free list, it leaves the batch."""
+        self.allocator.release(seq)
+        for layer in self.layers:
+            layer.forget(seq)
+        self.batch = [s for s in self.batch if s != seq]
+
+    def sequence_length(self, seq: int) -> int:
+        """Positions cached for ``seq``."""
+        self.allocator.table(seq)
+        return self.layers[0].lengths.get(seq, 0)
+
+    def attention_mask(self, n_new: int) -> torch.Tensor:
+        """``(B, length + n_new)`` bool for the batch: each row's cached and new positions, right-aligned."""
+        width = self.length + n_new
+        lengths = torch.tensor([self.sequence_length(s) + n_new for s in self.batch])
+        return torch.arange(width)[None, :] >= (width - lengths)[:, None]
+
+    def reset(self) -> None:
+        """Release every sequence of the batch (their pages go back to the free list)."""
+        for seq in list(self.batch):
+            self.release(seq)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        self.layers[0].reorder(index)
