@@ -1,0 +1,298 @@
+"""Exercise checks for chapter 16 (the modern decoder).
+
+* 16.1 ``check_swiglu_hidden``: the SwiGLU width of Meta's Llama code (2/3 of ``4 · d_model``,
+  an optional ``ffn_dim_multiplier``, rounded up to ``multiple_of``), checked against the
+  published widths of Llama 2 and Llama 3 and against other sizes.
+* 16.2 ``check_to_interleaved``: half-split query/key weights and QK-norm gains converted to
+  Meta's interleaved RoPE layout, checked by the attention scores of both conventions.
+* 16.3 ``check_count_parameters``: the parameters of a Llama or Qwen3 config by formula,
+  checked against :class:`attnlib.ModernDecoder` built on the meta device.
+
+Every grader draws its test tensors from a local ``torch.Generator``; ``grade`` runs it inside
+``torch.random.fork_rng``, so checking an answer never moves the notebook's random state.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect
+from attnlib.hf_decoder import config_from_hf_decoder
+from attnlib.modern import ModernDecoder
+from attnlib.norms import RMSNorm
+
+__all__ = ["check_count_parameters", "check_swiglu_hidden", "check_to_interleaved"]
+
+
+def _int_answer(got, case: str) -> int:
+    if got is None:
+        raise NotSolved("return the width (or count) as an int, not None")
+    expect(
+        isinstance(got, int) and not isinstance(got, bool),
+        f"{case}: return a Python int; got {type(got).__name__} {got!r} (int(...) truncates a float)",
+    )
+    return got
+
+
+# ---------------------------------------------------------------- 16.1
+def _meta_width(d: int, multiple_of: int, multiplier: float | None) -> int:
+    """``FeedForward.__init__`` of Meta's Llama code (llama/model.py), from ``hidden_dim = 4 * dim``."""
+    hidden = int(2 * (4 * d) / 3)
+    if multiplier is not None:
+        hidden = int(multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+_SWIGLU_CASES = [  # (name, d_model, multiple_of, ffn_dim_multiplier, published intermediate_size)
+    ("Llama 2 7B", 4096, 256, None, 11008),
+    ("Llama 2 13B", 5120, 256, None, 13824),
+    ("Llama 2 70B", 8192, 4096, 1.3, 28672),
+    ("Llama 3 8B", 4096, 1024, 1.3, 14336),
+    ("Llama 3 70B", 8192, 4096, 1.3, 28672),
+    ("Llama 3.1 405B", 16384, 4096, 1.2, 53248),
+    ("d_model=100", 100, 1, None, None),
+    ("d_model=100, multiplier 1.3", 100, 1, 1.3, None),
+    ("d_model=250, multiplier 1.5", 250, 1, 1.5, None),
+    ("d_model=64, multiple_of 48", 64, 48, None, None),
+    ("d_model=96, multiple_of 7, multiplier 1.1", 96, 7, 1.1, None),
+    ("d_model=8", 8, 1, None, None),
+]
+
+
+def _swiglu_mistakes(d: int, m: int, mult: float | None) -> list[tuple[int, str]]:
+    """Widths a learner gets from plausible slips, with the hint for each."""
+    def up(h: int) -> int:
+        return m * math.ceil(h / m)
+
+    mult_or_1 = 1.0 if mult is None else mult
+    return [
+        (up(int(mult_or_1 * 4 * d)), "you kept the GELU MLP's 4 * d_model. SwiGLU has three matrices, not two, "
+         "so Meta's code first takes 2/3 of 4 * d_model (that keeps the parameter count)"),
+        (up(int(8 * d / 3)), "you ignored ffn_dim_multiplier: multiply the 2/3 * 4 * d_model width by it "
+         "(truncating to an int) before rounding"),
+        (m * (int(mult_or_1 * int(8 * d / 3)) // m), "you rounded down to a multiple of multiple_of; the rule "
+         "rounds up, to the next multiple"),
+        (up(int(mult_or_1 * 8 * d / 3)), "truncate 2/3 * 4 * d_model to an int before multiplying by "
+         "ffn_dim_multiplier: Meta's code calls int() twice"),
+        (up(round(mult_or_1 * round(8 * d / 3))), "int() truncates, round() rounds to nearest: Meta's code "
+         "truncates both times"),
+        (int(mult_or_1 * int(8 * d / 3)), "you did not round to a multiple of multiple_of"),
+    ]
+
+
+@exercise("16.1")
+def check_swiglu_hidden(swiglu_hidden) -> None:
+    """Check ``swiglu_hidden(d_model, multiple_of, ffn_dim_multiplier)`` against Meta's rule."""
+    for name, d, m, mult, published in _SWIGLU_CASES:
+        case = f"{name} (d_model={d}, multiple_of={m}, ffn_dim_multiplier={mult})"
+        got = _int_answer(swiglu_hidden(d, m, mult), case)
+        expected = _meta_width(d, m, mult)
+        assert published is None or published == expected, name  # the rule reproduces the published widths
+        if got == expected:
+            continue
+        for value, hint in _swiglu_mistakes(d, m, mult):
+            if got == value:
+                raise Wrong(f"{case}: got {got}, expected {expected}: {hint}")
+        raise Wrong(f"{case}: got {got}, expected {expected}" + (" (the published width)" if published else ""))
+
+
+# ---------------------------------------------------------------- 16.2
+_PAIRING_CASES = [  # (n_heads, n_kv_heads, head_dim, d_model)
+    (4, 2, 8, 16),
+    (2, 2, 12, 8),
+    (6, 3, 16, 24),
+    (4, 1, 8, 12),
+    (8, 2, 4, 16),
+]
+
+
+def _order(head_dim: int) -> torch.Tensor:
+    return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])  # evens, then odds
+
+
+def _per_head(weight: torch.Tensor, n_heads: int, order: torch.Tensor) -> torch.Tensor:
+    rows = weight.shape[0]
+    head_dim = rows // n_heads
+    return weight.reshape(n_heads, head_dim, *weight.shape[1:])[:, order].reshape(weight.shape)
+
+
+def _interleaved_rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Meta's Llama RoPE: pairs (x[2i], x[2i+1]) as complex numbers times e^{i m θ_i}."""
+    head_dim = x.shape[-1]
+    theta = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angle = positions[:, None].double() * theta
+    z = torch.view_as_complex(x.double().reshape(*x.shape[:-1], head_dim // 2, 2).contiguous())
+    return torch.view_as_real(z * torch.polar(torch.ones_like(angle), angle)).flatten(-2)
+
+
+def _half_split_rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """RoPE on pairs (x[i], x[i + d_h/2]), as transformers and attnlib.RotaryEmbedding (in float64)."""
+    half = x.shape[-1] // 2
+    theta = 1.0 / base ** (torch.arange(0, x.shape[-1], 2, dtype=torch.float64) / x.shape[-1])
+    angle = positions[:, None].double() * theta
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * angle.cos() - x2 * angle.sin(), x1 * angle.sin() + x2 * angle.cos()], dim=-1)
+
+
+def _scores(x, w_q, w_k, q_gain, k_gain, n_heads, n_kv_heads, rotate):
+    """Attention scores (n_heads, T, T) of one sequence x (T, d): QK-norm, then RoPE."""
+    T = x.shape[0]
+    head_dim = w_q.shape[0] // n_heads
+    q = (x @ w_q.T).view(T, n_heads, head_dim).transpose(0, 1)  # (h, T, d_h)
+    k = (x @ w_k.T).view(T, n_kv_heads, head_dim).transpose(0, 1)  # (n_kv, T, d_h)
+    norm = RMSNorm(head_dim, 1e-6).double()
+    with torch.no_grad():
+        norm.weight.copy_(q_gain)
+        q = norm(q)
+        norm.weight.copy_(k_gain)
+        k = norm(k)
+    positions = torch.arange(T)
+    q, k = rotate(q, positions), rotate(k, positions)
+    k = k.repeat_interleave(n_heads // n_kv_heads, dim=0)
+    return q @ k.transpose(-2, -1)
+
+
+def _pairing_mistakes(w_q, w_k, q_gain, k_gain, n_heads, n_kv_heads):
+    head_dim = w_q.shape[0] // n_heads
+    order, inverse = _order(head_dim), torch.argsort(_order(head_dim))
+    right = (_per_head(w_q, n_heads, inverse), _per_head(w_k, n_kv_heads, inverse), q_gain[inverse], k_gain[inverse])
+    mistakes = [
+        ((_per_head(w_q, n_heads, order), _per_head(w_k, n_kv_heads, order), q_gain[order], k_gain[order]),
+         "you applied P (evens, then odds) again; that is the way in, from interleaved to half-split. "
+         "Going back needs its inverse, torch.argsort(P)"),
+        ((right[0], right[1], q_gain, k_gain), "the QK-norm gains multiply the coordinates of each head one by one, "
+         "so they must be reordered like the rows of W_q and W_k"),
+        ((w_q[_per_head(torch.arange(w_q.shape[0]), 1, torch.argsort(_order(w_q.shape[0])))],
+          w_k[_per_head(torch.arange(w_k.shape[0]), 1, torch.argsort(_order(w_k.shape[0])))], *right[2:]),
+         "you reordered all the rows as one block; the permutation acts inside each head of d_h rows"),
+        ((w_q, w_k, q_gain, k_gain), "you returned the weights unchanged"),
+    ]
+    if n_kv_heads != n_heads and (w_k.shape[0] // n_heads) % 2 == 0:
+        inv_small = torch.argsort(_order(w_k.shape[0] // n_heads))
+        mistakes.append(((right[0], _per_head(w_k, n_heads, inv_small), *right[2:]),
+                         f"W_k has n_kv_heads={n_kv_heads} heads of d_h rows, not n_heads={n_heads}: "
+                         "permute it head by head with n_kv_heads"))
+    if w_q.shape[1] % 2 == 0 and w_q.shape[1] >= 4:
+        cols = torch.argsort(_order(w_q.shape[1]))
+        mistakes.append(((w_q[:, cols], w_k[:, cols], *right[2:]),
+                         "you reordered the columns (the inputs); RoPE rotates the outputs of the projection, "
+                         "so reorder the rows"))
+    return right, mistakes
+
+
+@exercise("16.2")
+def check_to_interleaved(to_interleaved) -> None:
+    """Check ``to_interleaved(w_q, w_k, q_gain, k_gain, n_heads, n_kv_heads)`` by the scores of both RoPEs."""
+    g = torch.Generator().manual_seed(1602)
+    for n_heads, n_kv_heads, head_dim, d in _PAIRING_CASES:
+        case = f"n_heads={n_heads}, n_kv_heads={n_kv_heads}, d_h={head_dim}, d={d}"
+        w_q = torch.randn(n_heads * head_dim, d, generator=g, dtype=torch.float64)
+        w_k = torch.randn(n_kv_heads * head_dim, d, generator=g, dtype=torch.float64)
+        q_gain = torch.rand(head_dim, generator=g, dtype=torch.float64) + 0.5
+        k_gain = torch.rand(head_dim, generator=g, dtype=torch.float64) + 0.5
+        given = [t.clone() for t in (w_q, w_k, q_gain, k_gain)]
+        out = to_interleaved(w_q, w_k, q_gain, k_gain, n_heads, n_kv_heads)
+        if out is None:
+            raise NotSolved("return the four tensors (w_q, w_k, q_gain, k_gain)")
+        expect(isinstance(out, (tuple, list)) and len(out) == 4 and all(isinstance(t, torch.Tensor) for t in out),
+               f"{case}: return a tuple of four tensors (w_q, w_k, q_gain, k_gain); got {type(out).__name__}")
+        expect(all(torch.equal(a, b) for a, b in zip((w_q, w_k, q_gain, k_gain), given)),
+               f"{case}: your function changed its inputs in place; return new tensors")
+        for got, ref, name in zip(out, given, ("w_q", "w_k", "q_gain", "k_gain")):
+            expect(tuple(got.shape) == tuple(ref.shape),
+                   f"{case}: {name} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
+        x = torch.randn(7, d, generator=g, dtype=torch.float64)
+        half = _scores(x, *given, n_heads, n_kv_heads, _half_split_rope)
+        inter = _scores(x, *(t.double() for t in out), n_heads, n_kv_heads, _interleaved_rope)
+        if torch.allclose(inter, half, atol=1e-8, rtol=1e-8):
+            continue
+        _, mistakes = _pairing_mistakes(*given, n_heads, n_kv_heads)
+        for wrong, hint in mistakes:
+            if all(torch.equal(a.double(), b) for a, b in zip(out, wrong)):
+                raise Wrong(f"{case}: {hint}")
+        diff = (inter - half).abs().max().item()
+        raise Wrong(f"{case}: interleaved RoPE on your weights gives scores off by up to {diff:.3g} from half-split "
+                    "RoPE on the originals; reorder each head's rows of W_q and W_k (and the gains) so that the "
+                    "pair (i, i + d_h/2) lands on (2i, 2i + 1)")
+
+
+# ---------------------------------------------------------------- 16.3
+QWEN3_0_6B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                  tie_word_embeddings=True)
+_COUNT_CASES = [
+    ("a small Qwen3", dict(model_type="qwen3", vocab_size=97, hidden_size=64, intermediate_size=160,
+                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                           tie_word_embeddings=False)),
+    ("Llama 3 8B", dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                        tie_word_embeddings=False)),
+    ("Llama 3.2 1B", dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                          num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                          tie_word_embeddings=True)),
+    ("Qwen3-8B", dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                      tie_word_embeddings=False)),
+    ("Qwen3-0.6B", QWEN3_0_6B),
+    ("a small Llama", dict(model_type="llama", vocab_size=50, hidden_size=48, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3,
+                           tie_word_embeddings=True)),
+]
+
+
+def _reference_count(config: dict) -> int:
+    full = dict(config, max_position_embeddings=64, rms_norm_eps=1e-6)
+    with torch.device("meta"):
+        return ModernDecoder(config_from_hf_decoder(full, config["model_type"])).num_parameters()
+
+
+def _formula(c: dict) -> int:
+    """The count by formula (used only to recognise mistakes; the reference is the model itself)."""
+    V, d, L = c["vocab_size"], c["hidden_size"], c["num_hidden_layers"]
+    h, kv = c["num_attention_heads"], c["num_key_value_heads"]
+    d_h = c.get("head_dim") or d // h
+    attention = 2 * d * h * d_h + 2 * d * kv * d_h + (2 * d_h if c["model_type"] == "qwen3" else 0)
+    return V * d + L * (attention + 3 * d * c["intermediate_size"] + 2 * d) + d + (0 if c["tie_word_embeddings"]
+                                                                                   else V * d)
+
+
+def _count_mistakes(c: dict) -> list[tuple[int, str]]:
+    V, d, L = c["vocab_size"], c["hidden_size"], c["num_hidden_layers"]
+    right = _formula(c)
+    out = []
+    if c["tie_word_embeddings"]:
+        out.append((right + V * d, "the head is tied: it is the embedding's matrix, count it once"))
+    else:
+        out.append((right - V * d, "the head is not tied here (tie_word_embeddings=False): it has its own "
+                    "|V| x d matrix"))
+    if c.get("head_dim"):
+        out.append((_formula({k: v for k, v in c.items() if k != "head_dim"}), "the head width is head_dim, "
+                    "not hidden_size / heads: W_q has num_attention_heads * head_dim rows"))
+    out.append((_formula(dict(c, num_key_value_heads=c["num_attention_heads"])), "keys and values have "
+                "num_key_value_heads heads (GQA), not num_attention_heads"))
+    if c["model_type"] == "qwen3":
+        out.append((_formula(dict(c, model_type="llama")), "Qwen3's QK-norm adds two gains of head_dim per layer"))
+    else:
+        out.append((_formula(dict(c, model_type="qwen3")), "Llama has no QK-norm: no per-head gains"))
+    out.append((right - (2 * L + 1) * d, "the RMSNorm gains are parameters too: two per layer and a final one"))
+    out.append((right - L * 2 * d, "two RMSNorm gains per layer (before attention, before the MLP)"))
+    out.append((right - d, "the final RMSNorm has a gain of d parameters"))
+    out.append((right - L * c["intermediate_size"] * d, "SwiGLU has three matrices: gate, up and down"))
+    return [(value, hint) for value, hint in out if value != right]
+
+
+@exercise("16.3")
+def check_count_parameters(count_parameters) -> None:
+    """Check ``count_parameters(config_dict)`` against ModernDecoder on the meta device."""
+    for name, config in _COUNT_CASES:
+        given = dict(config)
+        got = _int_answer(count_parameters(given), name)
+        expect(given == config, f"{name}: your function changed the config dict it was given")
+        expected = _reference_count(config)
+        if got == expected:
+            continue
+        for value, hint in _count_mistakes(config):
+            if got == value:
+                raise Wrong(f"{name}: got {got:,}, expected {expected:,}: {hint}")
+        raise Wrong(f"{name}: got {got:,}, expected {expected:,} (off by {got - expected:+,})")
