@@ -339,5 +339,35 @@ def test_attention_explorer_works_without_a_kernel(browser, site, screenshots):
     explorer.locator(".noUi-handle").nth(1).press("ArrowRight")  # the head slider: 0 -> 1
     fourth = visible_heatmap(page, other_than=third)
     assert len({first, second, third, fourth}) == 4
+    width = page.evaluate(f"() => document.querySelector('img[src=\"{fourth}\"]').getBoundingClientRect().width")
+    assert width >= 500, f"the heatmap is {width} px wide at 1280 px"
+    assert explorer.get_by_text("needs a running Python kernel").is_visible(), "nothing says a new text needs a kernel"
+    page.context.close()
+    assert not problems, problems
+
+
+def test_attention_explorer_on_a_phone(browser, site, screenshots):
+    """At 390 px: the heatmap fits the column with tick labels of at least 9 px, the sliders'
+    tracks are wide enough to drag, and the page is no wider than the screen."""
+    from attnlib.book import style
+
+    page, problems = open_page(browser, site, "notebooks/12_gpt.html", viewport=PHONE, touch=True)
+    page.wait_for_selector(".jupyter-widgets img", state="visible", timeout=60_000)
+    explorer = page.locator(".widget-vbox").filter(has=page.locator("img")).first
+    explorer.scroll_into_view_if_needed()
+    (screenshots / "phone").mkdir(exist_ok=True)
+    explorer.screenshot(path=str(screenshots / "phone" / "explorer.png"))
+    heatmap = page.evaluate(
+        f"() => {{ const r = document.querySelector('img[src=\"{visible_heatmap(page)}\"]').getBoundingClientRect();"
+        " return [r.left, r.right, r.width]; }")
+    left, right, width = heatmap
+    assert left >= 0 and right <= PHONE["width"], f"the heatmap spans {left:.0f} to {right:.0f} px"
+    tick_px = style.MIN_FONT_PT * 100 / 72 * width / (style.WIDTH * 100)  # drawn for 560 px, shown at `width`
+    assert tick_px >= 9, f"tick labels are {tick_px:.1f} px on a {PHONE['width']} px phone"
+    tracks = explorer.locator(".widget-slider .slider-container").evaluate_all(
+        "els => els.map(e => e.getBoundingClientRect().width)")
+    assert len(tracks) == 2 and min(tracks) >= 150, f"slider tracks {tracks} px wide"
+    explorer.locator(".noUi-handle").first.press("ArrowRight")  # still switches heatmaps
+    assert page.evaluate("() => document.documentElement.scrollWidth") <= PHONE["width"] + 1
     page.context.close()
     assert not problems, problems

@@ -111,3 +111,84 @@ def test_explorer_bad_input():
         AttentionExplorer(model, TOKENIZER, [""])
     with pytest.raises(TypeError, match="must be a str"):
         AttentionExplorer(model, TOKENIZER, [3])
+
+
+def test_fit_text_keeps_whole_words():
+    from attnlib.book.explorer import fit_text
+
+    assert fit_text("abc def", TOKENIZER, 12) == "abc def"  # fits: unchanged
+    assert fit_text("abc def gab hed", TOKENIZER, 12) == "abc def gab"  # 15 characters: cut after "gab"
+    assert fit_text("abc def gabhed", TOKENIZER, 12) == "abc def"  # never "abc def gabh"
+    assert fit_text("abc\ndefgh bad", TOKENIZER, 12) == "abc\ndefgh"  # a newline is a boundary too
+    assert fit_text("ab cdefgh", TOKENIZER, 8) == "ab"  # never "ab cdefg"
+    with pytest.raises(ValueError, match="first word alone is more than block_size=4"):
+        fit_text("abcdefgh ab", TOKENIZER, 4)
+    with pytest.raises(ValueError, match="1 to block_size=4"):
+        fit_text("", TOKENIZER, 4)
+
+
+@pytest.mark.parametrize(
+    "text, shortened, label",
+    [
+        ("abc def", False, "abc def"),
+        ("hag\nbad,", False, "hag ⏎ bad,"),
+        ("abc def", True, "abc def…"),  # the text itself was cut by fit_text
+        ("ROMEO:\nBut soft, what light through yonder window", False, "ROMEO: ⏎ But soft, what light through…"),
+        ("a" * 50, False, "a" * 39 + "…"),  # no word boundary at all: cut, and say so
+    ],
+)
+def test_option_label_cuts_at_a_word_boundary(text, shortened, label):
+    from attnlib.book.explorer import option_label
+
+    assert option_label(text, width=40, shortened=shortened) == label
+    assert len(label) <= 40
+
+
+def test_plot_attention_has_a_colour_bar_and_readable_ticks():
+    from matplotlib.figure import Figure
+
+    from attnlib.book import style
+
+    fig = Figure()
+    ax = plot_attention(torch.eye(3), ["a", "b", "c"], fig.add_subplot())
+    assert len(fig.axes) == 2 and fig.axes[1].get_ylabel() == "attention weight"
+    assert all(label.get_fontsize() >= style.MIN_FONT_PT for label in ax.get_xticklabels() + ax.get_yticklabels())
+    assert len(Figure().add_subplot().figure.axes) == 1
+    fig = Figure()
+    plot_attention(torch.eye(3), ["a", "b", "c"], fig.add_subplot(), colorbar=False)
+    assert len(fig.axes) == 1
+
+
+def test_explorer_fits_a_phone_and_the_column():
+    import io
+
+    from PIL import Image
+
+    from attnlib.book import style
+
+    explorer = AttentionExplorer(small_gpt(), TOKENIZER, ["abc def"], dpi=40)
+    image = explorer.maps.children[0].children[0].children[0]
+    assert image.width == str(round(style.WIDTH * 100))  # shown as a full-column figure, 560 px
+    assert image.layout.max_width == "100%" and image.layout.height == "auto"  # scaled down on a phone
+    assert Image.open(io.BytesIO(image.value)).size[0] == round(style.WIDTH * 40)  # drawn at dpi
+    for control in (explorer.text, explorer.new_text, explorer.layer, explorer.head):
+        assert not (control.layout.width or "").endswith("px"), control.layout.width  # no fixed width
+        assert control.layout.max_width, control.description
+    assert explorer.layer.layout.min_width and explorer.layer.layout.flex  # a track that keeps its width
+    sliders = explorer.widget.children[1]
+    assert sliders.children == (explorer.layer, explorer.head) and sliders.layout.flex_flow == "row wrap"
+
+
+def test_explorer_says_a_new_text_needs_a_kernel():
+    explorer = AttentionExplorer(small_gpt(), TOKENIZER, ["abc"], dpi=20)
+    assert explorer.kernel_note in explorer.widget.children
+    assert "needs a running Python kernel" in explorer.kernel_note.value
+
+
+def test_explorer_cuts_long_texts_at_a_word_boundary():
+    explorer = AttentionExplorer(small_gpt(), TOKENIZER, ["abc def gab hed bag"], dpi=20)
+    assert list(explorer.weights) == ["abc def gab"]
+    assert explorer.weights["abc def gab"].shape[-1] == 11
+    assert explorer.text.options[0][0] == "abc def gab…"
+    explorer.new_text.value = "hag bad fedcab"  # typed in a kernel: cut the same way
+    assert "hag bad" in explorer.weights and explorer.text.options[1][0] == "hag bad…"
