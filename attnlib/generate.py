@@ -4,7 +4,8 @@ Every decoder of the library -- :meth:`attnlib.GPT.generate` (which calls :func:
 :func:`attnlib.beam.beam_search`, :meth:`attnlib.Transformer.greedy_decode` and
 :meth:`attnlib.Transformer.beam_decode` -- checks its settings and prompt with
 :mod:`attnlib.decoding` before any forward pass (even for ``max_new_tokens=0``) and finishes rows
-with :func:`attnlib.decoding.stop_mask`. Greedy decoding and sampling are one loop, :func:`decode`;
+with :func:`attnlib.decoding.stop_mask`. Speculative decoding (chapter 19),
+:func:`speculative_generate`, lives in :mod:`attnlib.speculative`. Greedy decoding and sampling are one loop, :func:`decode`;
 beam search keeps several hypotheses per prompt, so it has its own loop in :mod:`attnlib.beam`,
 over the same checks.
 """
@@ -19,8 +20,9 @@ from attnlib.beam import beam_search
 from attnlib.decoding import check_decoding, check_prompt, stop_mask
 from attnlib.sampling import sample_next_token, top_k_filter, top_p_filter
 from attnlib.serving.padding import check_attention_mask
+from attnlib.speculative import speculative_generate
 
-__all__ = ["beam_search", "decode", "sample_next_token", "top_k_filter", "top_p_filter"]
+__all__ = ["beam_search", "decode", "sample_next_token", "speculative_generate", "top_k_filter", "top_p_filter"]
 
 
 @torch.no_grad()

@@ -1,0 +1,144 @@
+"""Speculative decoding: a small draft model guesses, the large target model checks. Chapter 19.
+
+Leviathan, Kalman & Matias 2023, "Fast Inference from Transformers via Speculative Decoding" (Algorithm 1);
+Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling" (Algorithm 2).
+
+A decode step of a large model is slow because it reads all its weights for one token. Here the draft
+proposes ``k`` tokens one by one (cheap), and the target scores all of them in *one* forward pass of
+``k + 1`` tokens. Draft token ``d_j`` is accepted with probability ``min(1, p_j(d_j) / q_j(d_j))``
+(``p`` the target's distribution, ``q`` the draft's); at the first rejection the replacement is drawn
+from ``max(0, p_j - q_j)`` renormalised, and if all ``k`` pass, one more token comes from ``p_{k+1}``.
+Every emitted token is then distributed exactly as the target's own sample (Leviathan et al.,
+Appendix A.1), and greedily (``temperature=0``: accept iff ``d_j`` is the target's argmax) the output is
+the target's own greedy output. Each round costs one target pass and yields 1 to ``k + 1`` tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+from attnlib._checks import eval_mode, positive_int
+from attnlib.cache import KVCache
+from attnlib.decoding import check_decoding, check_prompt, decoder_vocab_size
+
+__all__ = ["speculative_generate", "verify_drafts"]
+
+
+def verify_drafts(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, greedy: bool = False,
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance step of speculative sampling, for ``N`` independent rows at once.
+
+    Args:
+        p: ``(N, k + 1, V)`` the target's next-token probabilities after the prefix and after each draft.
+        q: ``(N, k, V)`` the draft's probabilities from which ``drafts`` were drawn.
+        drafts: ``(N, k)`` int64 draft tokens.
+        greedy: accept ``d_j`` iff it is ``p_j``'s argmax; the replacement is the argmax (no randomness).
+        generator: for the uniforms and the replacement sample.
+
+    Returns:
+        ``(n_accepted (N,), next_token (N,))``: the first ``n_accepted`` drafts are kept, then ``next_token``
+        (from the residual ``max(0, p_n - q_n)`` after a rejection, from ``p_k`` after ``k`` acceptances).
+    """
+    N, k = drafts.shape
+    rows = torch.arange(N, device=p.device)
+    if greedy:
+        ok = drafts == p[:, :k].argmax(dim=-1)
+    else:
+        p_d = p[:, :k].gather(-1, drafts[..., None])[..., 0]  # (N, k): target's probability of each draft
+        q_d = q.gather(-1, drafts[..., None])[..., 0]
+        r = torch.rand(N, k, generator=generator, dtype=p.dtype, device=p.device)
+        ok = r * q_d < p_d  # accepted with probability min(1, p / q)
+    n = ok.long().cumprod(dim=-1).sum(dim=-1)  # (N,): length of the accepted prefix
+    p_n = p[rows, n]  # (N, V): the target's distribution where the drafts stop
+    if greedy:
+        return n, p_n.argmax(dim=-1)
+    q_n = torch.cat([q, p.new_zeros(N, 1, p.shape[-1])], dim=1)[rows, n]  # q after k acceptances is 0: residual = p
+    residual = (p_n - q_n).clamp(min=0.0)
+    total = residual.sum(dim=-1, keepdim=True)
+    residual = torch.where(total > 0, residual / total.clamp(min=torch.finfo(p.dtype).tiny), p_n)
+    return n, torch.multinomial(residual, 1, generator=generator)[:, 0]
+
+
+def _truncate(cache: KVCache, length: int) -> None:
+    """Forget every cached position from ``length`` on (rejected drafts). Full layer caches only."""
+    for layer in cache.layers:
+        layer.length = min(layer.length, length)
+
+
+def _feed(model, cache: KVCache, tokens: torch.Tensor) -> torch.Tensor:
+    """Run ``tokens[:, cache.length:]`` through ``model``; their next-token logits ``(n_new, V)``."""
+    return model(tokens[:, cache.length:], cache=cache)[0][0]
+
+
+@torch.no_grad()
+def speculative_generate(target, draft, idx: torch.Tensor, max_new_tokens: int, n_draft: int = 4,
+                         temperature: float = 0.0, generator: torch.Generator | None = None,
+                         return_stats: bool = False) -> torch.Tensor | tuple[torch.Tensor, dict]:
+    """Extend one prompt by ``max_new_tokens`` tokens with speculative decoding.
+
+    Batch of one: rows of a batch accept different numbers of drafts, so their lengths would part
+    (a paged cache with per-row lengths could take that; left out here).
+
+    Args:
+        target: the model whose distribution is sampled (an :class:`attnlib.GPT` or ``ModernDecoder``).
+        draft: a smaller model with the same vocabulary.
+        idx: ``(1, T)`` integer prompt; ``T + max_new_tokens`` must fit both models' ``block_size``.
+        max_new_tokens: tokens to add (>= 0); exactly this many are returned.
+        n_draft: draft tokens per round, ``k`` (>= 1; the last round may draft fewer).
+        temperature: ``0`` = greedy (the target's own greedy tokens); else both models sample at it.
+        generator: a ``torch.Generator`` for the draft's samples, the acceptance tests and the replacements.
+        return_stats: also return ``{"rounds", "drafted", "accepted", "acceptance_rate", "target_calls",
+            "draft_calls", "tokens_per_target_call"}`` (``acceptance_rate`` = accepted / drafted).
+
+    Returns:
+        ``(1, T + max_new_tokens)`` int64, with the statistics when ``return_stats``.
+
+    Raises:
+        TypeError / ValueError: different vocabularies (both named), ``n_draft`` not an int >= 1, a bad
+            prompt (not one row) or temperature, a text longer than a ``block_size``; all before any pass.
+    """
+    vocab, draft_vocab = decoder_vocab_size(target), decoder_vocab_size(draft)
+    if vocab != draft_vocab:
+        raise ValueError(f"draft and target must share a vocabulary; draft vocab_size={draft_vocab}, "
+                         f"target vocab_size={vocab}")
+    positive_int("n_draft", n_draft)
+    check_decoding(vocab, max_new_tokens, temperature=temperature)
+    idx = check_prompt(idx, vocab, batch=1)
+    longest = idx.shape[1] + max_new_tokens
+    for name, model in (("target", target), ("draft", draft)):
+        if longest > model.config.block_size:
+            raise ValueError(f"T + max_new_tokens = {idx.shape[1]} + {max_new_tokens} exceeds the {name}'s "
+                             f"block_size={model.config.block_size} (speculative decoding does not slide the window)")
+    caches = {"target": target.new_cache(windows=False), "draft": draft.new_cache(windows=False)}
+    stats = {"rounds": 0, "drafted": 0, "accepted": 0, "target_calls": 0, "draft_calls": 0}
+    greedy = temperature == 0
+
+    def probs(logits: torch.Tensor) -> torch.Tensor:
+        return logits.double().softmax(dim=-1) if greedy else (logits.double() / temperature).softmax(dim=-1)
+
+    tokens = idx
+    with eval_mode(target), eval_mode(draft):
+        while tokens.shape[1] < longest:
+            k = min(n_draft, longest - tokens.shape[1] - 1)  # the round's last token comes from the target
+            start = tokens.shape[1]
+            seq, q = tokens, []
+            for _ in range(k):  # the draft proposes k tokens, one at a time
+                q.append(probs(_feed(draft, caches["draft"], seq)[-1]))
+                stats["draft_calls"] += 1
+                nxt = q[-1].argmax() if greedy else torch.multinomial(q[-1], 1, generator=generator)[0]
+                seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
+            p = probs(_feed(target, caches["target"], seq)[-(k + 1):])  # (k + 1, V): one pass scores every draft
+            stats["target_calls"] += 1
+            q = torch.stack(q) if q else p.new_zeros(0, vocab)
+            n, nxt = verify_drafts(p[None], q[None], seq[:, start:], greedy, generator)
+            n = int(n[0])
+            tokens = torch.cat([seq[:, : start + n], nxt.view(1, 1)], dim=1)
+            for cache in caches.values():  # keep only what the accepted tokens put there
+                _truncate(cache, tokens.shape[1] - 1)
+            stats["rounds"] += 1
+            stats["drafted"] += k
+            stats["accepted"] += n
+    if not return_stats:
+        return tokens
+    stats["acceptance_rate"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else float("nan")
+    stats["tokens_per_target_call"] = max_new_tokens / stats["target_calls"] if stats["target_calls"] else float("nan")
+    return tokens, stats
