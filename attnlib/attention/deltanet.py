@@ -8,10 +8,11 @@ with a step size ``β_t ∈ (0, 1)``; the *gate* ``α_t = exp(g_t) ∈ (0, 1]`` 
 
     S_t = α_t (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ,      o_t = S_tᵀ (q_t / √d_k)
 
-(Gated DeltaNet, eq. 10, with the state written ``d_k × d_v`` as in the ``fla`` library).
-:func:`gated_delta_rule` computes it token by token (``"recurrent"``) or chunk by chunk
-(``"chunked"``: inside a chunk the updates are folded into matrix products by the UT transform,
-§3 of the paper, as in ``fla``'s ``chunk_gated_delta_rule``). :class:`GatedDeltaNet` is the layer.
+(the gated delta rule of Gated DeltaNet, with the state written ``d_k × d_v`` as in the ``fla``
+library; the paper writes its transpose). :func:`gated_delta_rule` computes it token by token
+(``"recurrent"``) or chunk by chunk (``"chunked"``: inside a chunk the updates are folded into
+matrix products by the WY/UT representation of Yang et al. 2024, NeurIPS, as in ``fla``'s
+``chunk_gated_delta_rule``). :class:`GatedDeltaNet` is the layer.
 """
 from __future__ import annotations
 

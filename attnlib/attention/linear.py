@@ -5,7 +5,7 @@ With a positive feature map ``φ``, causal attention becomes
 
     o_i = φ(q_i)ᵀ S_i / (φ(q_i)ᵀ z_i + eps),   S_i = Σ_{j≤i} φ(k_j) v_jᵀ,   z_i = Σ_{j≤i} φ(k_j)
 
-(§3.2 and §3.4 of the paper; ``eps = 1e-6`` as in their ``fast_transformers`` code). Three
+(§3.2–3.4 of the paper; ``eps = 1e-6`` as in their ``fast_transformers`` code). Three
 ways to compute the same numbers: ``"parallel"`` (the masked T×T matrix ``φ(Q) φ(K)ᵀ``),
 ``"recurrent"`` (an RNN whose state is ``(S, z)``, ``d_φ × (d_v + 1)`` numbers per head
 whatever T) and ``"chunked"`` (the matrix inside chunks, the state between them).
@@ -95,7 +95,7 @@ def linear_attention(
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
     return_state: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """Causal linear attention, in any of three equal forms (Katharopoulos et al. 2020, §3.2, §3.4).
+    """Causal linear attention, in any of three equal forms (Katharopoulos et al. 2020, §3.2–3.4).
 
     Args:
         q, k: ``(..., T, d_k)`` float (e.g. ``(B, n_heads, T, head_dim)``); v: ``(..., T, d_v)``.
