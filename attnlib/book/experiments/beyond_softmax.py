@@ -8,7 +8,9 @@ Chapter 18. The committed run (about 35 minutes on one busy CPU core)::
         --out attnlib/book/results/beyond_softmax.json --checkpoints runs/beyond_softmax
 
 The first trains each model with each seed and saves the softmax models' weights; the second
-evaluates those models with top-k sparse attention (:class:`attnlib.attention.TopKAttention`,
+times the three models' training steps in turns (:func:`interleaved_speed`: a fairer speed
+comparison on a shared machine than each run's own tokens/s) and evaluates the softmax models
+with top-k sparse attention (:class:`attnlib.attention.TopKAttention`,
 each query keeping its k highest-scoring keys by its own q·k) at k = T, T/2, T/4, T/8 and adds
 the losses to the file.
 
@@ -132,6 +134,31 @@ def topk_tradeoff(results: dict, checkpoints: Path, eval_iters: int = 50) -> dic
     return results
 
 
+def interleaved_speed(rounds: int = 7, steps: int = 20, seed: int = 0) -> dict:
+    """Training tokens/s of each model, measured in turns (model A, B, C, A, B, C, ...) so that a
+    changing load on a shared machine hits every model alike; the median over ``rounds``.
+
+    Each turn times ``steps`` AdamW steps on random batches of the experiment's shape, one thread.
+    """
+    T, batch = SETTINGS["block_size"], TRAINING["batch_size"]
+    models = {name: build_model(name, seed) for name in MODELS}
+    optimizers = {n: torch.optim.AdamW(m.parameters(), lr=TRAINING["learning_rate"]) for n, m in models.items()}
+    g = torch.Generator().manual_seed(seed)
+    samples: dict[str, list[float]] = {name: [] for name in MODELS}
+    for r in range(rounds + 1):  # round 0 warms up and is not counted
+        for name, model in models.items():
+            x, y = (torch.randint(0, SETTINGS["vocab_size"], (batch, T), generator=g) for _ in range(2))
+            start = time.perf_counter()
+            for _ in range(steps):
+                _, loss = model(x, y)
+                optimizers[name].zero_grad(set_to_none=True)
+                loss.backward()
+                optimizers[name].step()
+            if r:
+                samples[name].append(steps * batch * T / (time.perf_counter() - start))
+    return {name: {"median": sorted(v)[len(v) // 2], "samples": v} for name, v in samples.items()}
+
+
 def load_results(path: str | Path | None = None) -> dict:
     """Read a results file; ``None`` = the committed run shipped in :mod:`attnlib.book.results`."""
     if path is None:
@@ -150,7 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eval-iters", type=_cli.positive_int, default=TRAINING["eval_iters"])
     p.add_argument("--checkpoints", type=Path, default=Path("runs") / "beyond_softmax",
                    help="where the softmax models' weights are saved (and read by --topk-only)")
-    p.add_argument("--topk-only", action="store_true", help="evaluate top-k attention on the saved softmax models")
+    p.add_argument("--topk-only", action="store_true",
+                   help="evaluate top-k attention on the saved softmax models, and time the models in turns")
     p.add_argument("--out", type=_cli.output_file, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     if len(set(args.seeds)) != len(args.seeds):
@@ -159,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     if args.topk_only:
         results = topk_tradeoff(json.loads(args.out.read_text()), args.checkpoints, args.eval_iters)
+        results["speed"] = {"models": interleaved_speed(), "threads": torch.get_num_threads()}
         results["topk"].update(command=command, wall_s=round(time.perf_counter() - started, 1))
         args.out.write_text(json.dumps(results, indent=1) + "\n")
         print(json.dumps(results["topk"], indent=1))
