@@ -19,19 +19,23 @@ to ``flash``'s; the largest difference of the output and gradients from SDPA's.
 """
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from attnlib.attention import flash_attention, tiled_attention
-from attnlib.bench._common import format_table, resolve_device, time_calls
+from attnlib.bench._common import DTYPES, Command, format_table, resolve_device, time_calls
 from attnlib.bench._common import threads as using_threads
 from attnlib.functional import attention
 
-__all__ = ["FLASH_METHODS", "flash_rows", "format_flash", "saved_bytes"]
+__all__ = ["COMMAND", "FLASH_METHODS", "flash_rows", "format_flash", "saved_bytes"]
 
 FLASH_METHODS = ("naive", "sdpa", "flash", "tiled")
+#: Sizes of the command line's default and ``--small`` runs.
+FLASH_DEFAULTS = dict(seq_lens=[256, 512, 1024, 2048], n_heads=8, head_dim=64, tile_size=128)
+FLASH_SMALL = dict(seq_lens=[32, 64], n_heads=2, head_dim=16, tile_size=16)
 MiB = 2**20
 
 
@@ -175,3 +179,53 @@ def format_flash(rows: list[dict], settings: dict | None = None) -> str:
                  "beyond q,k,v leaves out the inputs' own storages.")
     parts.append(format_table(rows, COLUMNS))
     return "\n".join(parts)
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seq-lens", default=None, help="comma-separated lengths T (default 256,512,1024,2048; 32,64 with --small)")
+    parser.add_argument("--methods", default=",".join(FLASH_METHODS), help="comma-separated (default naive,sdpa,flash,tiled)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--n-heads", type=int, default=None, help="default 8 (2 with --small)")
+    parser.add_argument("--head-dim", type=int, default=None, help="default 64 (16 with --small)")
+    parser.add_argument("--tile-size", type=int, default=None, help="block size of flash and tiled (default 128; 16 with --small)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    defaults = FLASH_SMALL if args.small else FLASH_DEFAULTS
+    try:
+        args.seq_lens = [int(n) for n in args.seq_lens.replace(" ", ",").split(",") if n] if args.seq_lens else defaults["seq_lens"]
+    except ValueError:
+        parser.error(f"argument --seq-lens: {args.seq_lens!r} is not a comma-separated list of integers")
+    args.methods = [m for m in args.methods.replace(" ", ",").split(",") if m]
+    if unknown := [m for m in args.methods if m not in FLASH_METHODS]:
+        parser.error(f"argument --methods: {','.join(unknown)} not among {','.join(FLASH_METHODS)}")
+    for key in ("n_heads", "head_dim", "tile_size"):
+        setattr(args, key, defaults[key] if getattr(args, key) is None else getattr(args, key))
+    sizes = dict(seq_lens=min(args.seq_lens, default=0), batch=args.batch, n_heads=args.n_heads,
+                 head_dim=args.head_dim, tile_size=args.tile_size)
+    for key, value in sizes.items():
+        if value < 1:
+            parser.error(f"argument --{key.replace('_', '-')}: {value} must be >= 1")
+
+
+def _run(args: argparse.Namespace, device: torch.device):
+    settings = dict(seq_lens=args.seq_lens, methods=args.methods, batch=args.batch, n_heads=args.n_heads,
+                    head_dim=args.head_dim, tile_size=args.tile_size, dtype=args.dtype, causal=args.causal,
+                    repeats=args.repeats, warmup=args.warmup)
+    rows = flash_rows(args.seq_lens, args.methods, batch=args.batch, n_heads=args.n_heads, head_dim=args.head_dim,
+                      causal=args.causal, device=device, dtype=DTYPES[args.dtype], repeats=args.repeats,
+                      warmup=args.warmup, tile_size=args.tile_size)
+    summary = {}
+    for name in ("naive", "flash", "tiled"):
+        mine = [r for r in rows if r["method"] == name]
+        if mine:  # how much more the graph keeps when T grows from the first length to the last, and the time ratio
+            summary[f"{name}_saved_growth"] = mine[-1]["saved_mib"] / mine[0]["saved_mib"]
+            summary[f"{name}_time_vs_sdpa_at_max_T"] = mine[-1]["time_vs_sdpa"]
+    summary["max_abs_diff"] = max(r["max_abs_diff"] for r in rows)
+    return settings, rows, format_flash(rows, settings), summary
+
+
+COMMAND = Command(help="forward+backward time and saved-for-backward bytes of flash_attention vs naive and SDPA as T grows",
+                  add_arguments=_add_arguments, check=_check, run=_run, repeats=3, warmup=1)
