@@ -22,8 +22,8 @@ dV_j`` is finished in one sweep over the queries, ``dQ_i`` is accumulated) and::
     dK_j += dS_ijᵀ Q_i · scale
 
 This is the algorithm, not the speed: the real kernels keep the blocks in on-chip SRAM,
-which plain PyTorch cannot do, so here it is slower than eager attention; what it shows
-is the memory and the arithmetic.
+which plain PyTorch cannot do (each block here is a few separate kernel calls), so it is
+slower than torch's fused SDPA; what it shows is the memory and the arithmetic.
 """
 from __future__ import annotations
 
