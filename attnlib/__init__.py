@@ -3,7 +3,7 @@
 Each public class and function names the chapter that derives it; each chapter
 builds the piece by hand and checks it equals the version here.
 """
-from attnlib import attention, data, functional, generate, tokenizers
+from attnlib import attention, data, functional, generate, serving, tokenizers
 from attnlib._device import device
 from attnlib.attention import (
     ATTENTION_FUNCTIONS,
@@ -67,5 +67,6 @@ __all__ = [
     "generate",
     "kv_cache_bytes",
     "rope_frequencies",
+    "serving",
     "tokenizers",
 ]

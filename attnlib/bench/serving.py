@@ -1,0 +1,162 @@
+"""``python -m attnlib.bench serving``: batching, paged memory and speculative decoding, each against its baseline.
+
+Chapter 19. Three comparisons in one run, each a ratio:
+
+* **batching**: greedy tokens per second for a mix of prompts of different lengths, one prompt at a time
+  (``GPT.generate`` per prompt) against one left-padded batch (``generate(attention_mask=...)``) and
+  against continuous batching on the paged cache (:func:`attnlib.serving.serve`);
+* **memory**: KV-cache positions (and bytes, for this model) that a mix of request lengths
+  (:func:`attnlib.serving.request_lengths`) reserves: preallocated to ``block_size`` per request against
+  pages taken as needed (:func:`attnlib.serving.cache_memory`);
+* **speculative**: the target's own greedy decoding against :func:`attnlib.generate.speculative_generate`,
+  with the acceptance rate. The models are untrained (speed does not depend on the weights, acceptance
+  does): the draft is the target's first ``draft_layers`` layers with its final norm and head
+  (self-speculative decoding: Zhang et al. 2023, "Draft & Verify"), so that it agrees with the target
+  often enough to be worth measuring. Acceptance rates of a trained draft and target are chapter 19's.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from attnlib.bench._common import format_table, resolve_device, time_calls
+from attnlib.bench._common import threads as using_threads
+from attnlib.config import GPTConfig
+from attnlib.generate import speculative_generate
+from attnlib.model import GPT
+from attnlib.serving import cache_memory, left_pad, request_lengths, serve
+
+__all__ = ["SMALL", "TARGET", "format_serving", "serving_rows", "truncated"]
+
+#: The default target: big enough that one forward pass of several tokens costs little more than of one.
+TARGET = GPTConfig(vocab_size=1024, block_size=256, n_layers=8, n_heads=8, d_model=512)
+#: ``--small``: a tiny model for tests and quick runs.
+SMALL = GPTConfig(vocab_size=64, block_size=64, n_layers=4, n_heads=4, d_model=64)
+
+
+def truncated(model: GPT, n_layers: int) -> GPT:
+    """A copy of ``model`` keeping its first ``n_layers`` blocks (embeddings, final norm and head shared in value):
+    a draft with the target's vocabulary (self-speculative decoding).
+
+    Raises:
+        ValueError: ``n_layers`` not in ``[1, model.config.n_layers]``.
+    """
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or not 1 <= n_layers <= model.config.n_layers:
+        raise ValueError(f"draft_layers={n_layers!r} must be an int in [1, n_layers={model.config.n_layers}]")
+    draft = copy.deepcopy(model)
+    draft.blocks = nn.ModuleList(list(draft.blocks)[:n_layers])
+    draft.config = model.config.replace(n_layers=n_layers)
+    return draft
+
+
+def serving_rows(config: GPTConfig | None = None, n_prompts: int = 8, new_tokens: int = 32, draft_layers: int = 1,
+                 n_draft: int = 4, page_size: int = 16, n_requests: int = 200, repeats: int = 3, seed: int = 0,
+                 device: str | torch.device | None = None, threads: int | None = None) -> list[dict]:
+    """Measure the three comparisons (see the module's docstring).
+
+    Args:
+        config: the target model's shape (default :data:`TARGET`).
+        n_prompts: prompts of the batching comparison (lengths spread over ``[1, block_size / 4]``).
+        new_tokens: greedy tokens per prompt (batching) and per generation (speculative).
+        draft_layers: blocks the draft keeps from the target.
+        n_draft: draft tokens per round.
+        page_size: positions per page (memory; continuous batching).
+        n_requests: request lengths in the memory comparison.
+        repeats: timed runs per setting (median).
+        seed: weights, prompts and request lengths.
+        device: where to run (``None``: :func:`attnlib.device`).
+        threads: ``torch.set_num_threads`` for the run.
+
+    Returns:
+        Dicts with ``comparison, baseline, method, unit, baseline_value, method_value, ratio, note``
+        (``ratio`` = method / baseline for speed, baseline / method for memory: above 1 is better).
+    """
+    with using_threads(threads):
+        return _rows(config or TARGET, n_prompts, new_tokens, draft_layers, n_draft, page_size, n_requests, repeats,
+                     seed, resolve_device(device))
+
+
+def _rows(config, n_prompts, new_tokens, draft_layers, n_draft, page_size, n_requests, repeats, seed, device):
+    torch.manual_seed(seed)
+    target = GPT(config).to(device).eval()
+    draft = truncated(target, draft_layers)  # checked before anything is timed
+    g = torch.Generator().manual_seed(seed)
+    longest = max(1, min(config.block_size // 4, config.block_size - new_tokens))
+    lengths = torch.randint(1, longest + 1, (n_prompts,), generator=g).tolist()
+    prompts = [torch.randint(config.vocab_size, (n,), generator=g).to(device) for n in lengths]
+    idx, mask = left_pad(prompts)
+    outputs = {}
+
+    def one_at_a_time():
+        outputs["alone"] = [target.generate(p[None], new_tokens, temperature=0.0)[0, -new_tokens:] for p in prompts]
+
+    def batched():
+        outputs["batched"] = target.generate(idx, new_tokens, temperature=0.0, attention_mask=mask)[:, -new_tokens:]
+
+    def continuous():
+        outs, _ = serve(target, prompts, new_tokens, max_batch=n_prompts, page_size=page_size)
+        outputs["continuous"] = [o[-new_tokens:] for o in outs]
+
+    s = time_calls({"alone": one_at_a_time, "batched": batched, "continuous": continuous}, repeats)
+    same = all(torch.equal(a, b) for a, b, c in zip(outputs["alone"], outputs["batched"], outputs["continuous"])) and \
+        all(torch.equal(a, c) for a, c in zip(outputs["alone"], outputs["continuous"]))
+    tokens = n_prompts * new_tokens
+    note = f"{n_prompts} prompts of {min(lengths)}-{max(lengths)} tokens; same tokens: {same}"
+    rows = [dict(comparison="batching", baseline="one at a time", method=method, unit="tokens/s",
+                 baseline_value=tokens / s["alone"], method_value=tokens / s[key], ratio=s["alone"] / s[key], note=note)
+            for method, key in (("left-padded batch", "batched"), ("continuous (paged)", "continuous"))]
+
+    mix = request_lengths(n_requests, config.block_size, seed)
+    m = cache_memory(mix, config.block_size, page_size, target.kv_cache_bytes_per_token())
+    rows.append(dict(comparison="memory", baseline=f"preallocated (waste {m['contiguous_waste']:.0%})",
+                     method=f"paged, {page_size}/page (waste {m['paged_waste']:.0%})", unit="MB",
+                     baseline_value=m["contiguous_bytes"] / 1e6, method_value=m["paged_bytes"] / 1e6,
+                     ratio=m["contiguous_bytes"] / m["paged_bytes"],
+                     note=f"{n_requests} requests, {m['tokens']:,} tokens, block_size {config.block_size}"))
+
+    prompt = prompts[0][None]
+    stats = {}
+
+    def plain():
+        outputs["plain"] = target.generate(prompt, new_tokens, temperature=0.0)
+
+    def speculative():
+        outputs["spec"], st = speculative_generate(target, draft, prompt, new_tokens, n_draft=n_draft, return_stats=True)
+        stats.update(st)
+
+    s = time_calls({"plain": plain, "speculative": speculative}, repeats)
+    rows.append(dict(comparison="speculative", baseline="target greedy", method=f"draft {draft_layers} layer(s), k={n_draft}",
+                     unit="tokens/s", baseline_value=new_tokens / s["plain"], method_value=new_tokens / s["speculative"],
+                     ratio=s["plain"] / s["speculative"],
+                     note=f"acceptance {stats['acceptance_rate']:.0%}, {stats['tokens_per_target_call']:.2f} tokens/target "
+                          f"pass; same tokens: {torch.equal(outputs['plain'], outputs['spec'])}",
+                     acceptance_rate=stats["acceptance_rate"], tokens_per_target_call=stats["tokens_per_target_call"]))
+    return rows
+
+
+COLUMNS = [
+    ("comparison", "comparison", "s"),
+    ("baseline", "baseline", "s"),
+    ("method", "method", "s"),
+    ("unit", "unit", "s"),
+    ("baseline_value", "baseline", ",.2f"),
+    ("method_value", "method", ",.2f"),
+    ("ratio", "ratio", ".2f"),
+    ("note", "note", "s"),
+]
+
+
+def format_serving(rows: list[dict], settings: dict | None = None) -> str:
+    """The table and how it was measured (``settings``: the arguments of :func:`serving_rows`, ``config`` a dict)."""
+    parts = []
+    if settings:
+        c = settings.get("config") or {}
+        parts.append(f"GPT (untrained): {c.get('n_layers')} layers, {c.get('n_heads')} heads, d_model {c.get('d_model')}, "
+                     f"vocabulary {c.get('vocab_size')}, block {c.get('block_size')}; {settings.get('new_tokens')} greedy "
+                     f"tokens; median of {settings.get('repeats')} runs.")
+    parts.append("ratio: method/baseline speed, or baseline/method memory (above 1: the method wins). The draft is the "
+                 "target's first layers (self-speculative); a trained pair's acceptance is chapter 19's.")
+    parts.append(format_table(rows, COLUMNS))
+    return "\n".join(parts)
