@@ -73,6 +73,50 @@ def online_softmax_stats_two_passes(blocks):  # the max first, then the sum: rea
     return m, denom
 
 
+def online_softmax_stats_list(blocks):  # materialises the stream, then the whole-row softmax
+    x = torch.cat(list(blocks), dim=-1)
+    m = x.amax(dim=-1)
+    shift = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    return m, torch.exp(x - shift[:, None]).sum(dim=-1)
+
+
+def online_softmax_stats_clones(blocks):  # copies every block (so the buffer can move on), then cat
+    kept = [block.clone() for block in blocks]
+    x = torch.cat(kept, dim=-1)
+    m = x.amax(dim=-1)
+    shift = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    return m, torch.exp(x - shift[:, None]).sum(dim=-1)
+
+
+def online_softmax_stats_growing_cat(blocks):  # one pass, but the row grows with every block
+    x = None
+    for block in blocks:
+        x = block.clone() if x is None else torch.cat([x, block], dim=-1)
+    m = x.amax(dim=-1)
+    shift = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    return m, torch.exp(x - shift[:, None]).sum(dim=-1)
+
+
+def online_softmax_stats_tolist(blocks):  # keeps the numbers as Python lists, out of torch's sight
+    rows = None
+    for block in blocks:
+        values = block.tolist()
+        rows = values if rows is None else [a + b for a, b in zip(rows, values)]
+    x = torch.tensor(rows)
+    m = x.amax(dim=-1)
+    shift = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    return m, torch.exp(x - shift[:, None]).sum(dim=-1)
+
+
+def online_softmax_stats_numpy(blocks):  # NumPy copies of the blocks
+    import numpy as np
+
+    x = torch.from_numpy(np.concatenate([np.array(block) for block in blocks], axis=-1))
+    m = x.amax(dim=-1)
+    shift = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    return m, torch.exp(x - shift[:, None]).sum(dim=-1)
+
+
 def online_softmax_stats_keepdim(blocks):  # (rows, 1) instead of (rows,)
     m, denom = online_softmax_stats(blocks)
     return m[:, None], denom[:, None]
@@ -153,7 +197,12 @@ def test_reference_answer_is_correct(exercise_id, answer):
         ("15.1", online_softmax_stats_no_rescale, "exp(m - m')"),
         ("15.1", online_softmax_stats_nan, "NaN"),
         ("15.1", online_softmax_stats_no_max, "overflowed"),
-        ("15.1", online_softmax_stats_two_passes, "iterated over the blocks 2 times"),
+        ("15.1", online_softmax_stats_two_passes, "after it had ended"),
+        ("15.1", online_softmax_stats_list, "blocks were still held"),
+        ("15.1", online_softmax_stats_clones, "more than a few blocks' worth"),
+        ("15.1", online_softmax_stats_growing_cat, "more than a few blocks' worth"),
+        ("15.1", online_softmax_stats_tolist, "Python holds"),
+        ("15.1", online_softmax_stats_numpy, "Python holds"),
         ("15.1", online_softmax_stats_keepdim, "expected (3,)"),
         ("15.2", longest_context_bits, "bits"),
         ("15.2", longest_context_no_heads, "n_heads"),

@@ -3,6 +3,9 @@
 * 15.1 ``check_online_softmax_stats``: ``online_softmax_stats(blocks)`` reads score blocks
   ``(rows, n_j)`` once, in order, and returns the row max ``m`` and ``l = Σ exp(x - m)``,
   each ``(rows,)``; checked against the whole row, with huge scores and masked (``-inf``) blocks.
+  The blocks come from a stream that can be read once, whose blocks are valid only until the next
+  request, and that refuses an answer holding more than a few blocks' worth of tensors or Python
+  memory (a list of the blocks, ``torch.cat``, clones, ``tolist``, NumPy copies).
 * 15.2 ``check_longest_context``: ``longest_context(budget_bytes, B, n_heads, dtype)``, the
   largest ``T`` whose ``(B, n_heads, T, T)`` scores fit in ``budget_bytes``; checked exactly.
 * 15.3 ``check_causal_tile_kind``: ``causal_tile_kind(q_start, q_end, k_start, k_end, T_q, T_k)``
@@ -16,26 +19,109 @@ random state.
 from __future__ import annotations
 
 import math
+import tracemalloc
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from attnlib.book.exercises._core import NotSolved, exercise, expect
+from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect
 from attnlib.functional import causal_mask
 
 __all__ = ["check_online_softmax_stats", "check_longest_context", "check_causal_tile_kind"]
 
 
 # ---------------------------------------------------------------- 15.1
-class _OnePass:
-    """The blocks of a score matrix, handed out once, in order (a second pass finds nothing)."""
+class _Materialized(Exception):
+    """Raised inside the stream when the answer holds on to what it has read."""
 
-    def __init__(self, x: torch.Tensor, widths: list[int]) -> None:
-        self.blocks = list(x.split(widths, dim=-1))
-        self.passes = 0
+
+class _LiveTensors(TorchDispatchMode):
+    """Weak references to every tensor the answer's operations create, to weigh what it keeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[weakref.ref] = []
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.paused:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.refs.append(weakref.ref(t))
+        return out
+
+    def live_bytes(self) -> int:
+        """Bytes of the distinct storages that the answer's tensors still reference."""
+        self.refs = [r for r in self.refs if r() is not None]
+        storages = {}
+        for r in self.refs:
+            t = r()
+            if t is None or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+
+class _Stream:
+    """Score blocks of a ``(rows, n)`` matrix, handed out once, left to right, as a stream does.
+
+    At every request the stream weighs what the answer still holds: the blocks handed out (by weak
+    reference), the tensors its operations made, views of the blocks included (through
+    :class:`_LiveTensors`) and Python's own memory (``tracemalloc``), and refuses an answer that
+    keeps more than a few blocks' worth. Asking again after the end is counted in ``ends``.
+    """
+
+    def __init__(self, x: torch.Tensor, widths: list[int], tracker: _LiveTensors | None,
+                 check_memory: bool) -> None:
+        self.x, self.widths = x, widths
+        self.tracker, self.check_memory = tracker, check_memory
+        self.starts = [sum(widths[:i]) for i in range(len(widths))]
+        self.next_block, self.ends, self.handed = 0, 0, []
+        self.python_base: int | None = None
+        # what a streaming answer may hold: its statistics and a few block-sized temporaries
+        self.budget = 8 * x.shape[0] * (4 * max(widths) + 16)
 
     def __iter__(self):
-        self.passes += 1
-        return iter(self.blocks if self.passes == 1 else ())
+        return self
+
+    def _weigh(self) -> None:
+        alive = sum(ref() is not None for ref in self.handed)
+        if alive > 2:
+            raise _Materialized(f"{alive} blocks were still held when block {self.next_block} was asked for")
+        if self.check_memory and self.tracker is not None:
+            held = self.tracker.live_bytes()
+            if held > self.budget:
+                raise _Materialized(f"after {self.next_block} blocks your tensors hold {held:,} bytes, more "
+                                    f"than a few blocks' worth ({self.budget:,})")
+        if self.check_memory and tracemalloc.is_tracing():
+            now = tracemalloc.get_traced_memory()[0]
+            if self.next_block == 3:
+                self.python_base = now
+            elif self.python_base is not None and now - self.python_base > 64 * 1024:
+                raise _Materialized(f"after {self.next_block} blocks Python holds "
+                                    f"{(now - self.python_base) // 1024:,} KiB more than after 3 (lists "
+                                    "of numbers, or NumPy copies, of the blocks)")
+
+    def __next__(self) -> torch.Tensor:
+        if self.tracker is not None:
+            self.tracker.paused = True
+        try:
+            self._weigh()
+            if self.next_block == len(self.widths):
+                self.ends += 1
+                raise StopIteration
+            i, w = self.next_block, self.widths[self.next_block]
+            block = self.x[:, self.starts[i] : self.starts[i] + w].clone()  # a fresh tensor
+            self.next_block += 1
+            self.handed.append(weakref.ref(block))
+            return block
+        finally:
+            if self.tracker is not None:
+                self.tracker.paused = False
 
 
 def _stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,55 +140,82 @@ def _softmax_cases(g: torch.Generator) -> list[tuple[str, torch.Tensor, list[int
     masked[2] = float("-inf")  # a row with nothing to attend to
     growing = torch.arange(12.0).repeat(2, 1)  # every block holds a new maximum
     growing[1] = growing[1].flip(0)
+    widths = [3 + int(w) for w in torch.randint(0, 6, (160,), generator=g)]  # 3 to 8 columns each
+    long = torch.randn(64, sum(widths), generator=g) * 5
+    long[:8, : sum(widths) // 2] = float("-inf")  # half of some rows masked
     return [
         ("random scores, blocks of 4, 4, 2", plain, [4, 4, 2]),
         ("random scores, blocks of 1", plain, [1] * 10),
         ("growing and shrinking rows, blocks of 5, 7", growing, [5, 7]),
         ("scores in the hundreds, blocks of 5, 5, 2", huge, [5, 5, 2]),
         ("masked scores (-inf), blocks of 4, 3, 2", masked, [4, 3, 2]),
+        (f"a long stream: 64 rows, {len(widths)} blocks of 3 to 8 columns", long, widths),
     ]
+
+
+_MATERIALIZED_HINT = (
+    "the blocks arrive once, as from a stream (in attention, a block of scores is computed, used and "
+    "dropped). Do not keep them (no list(blocks), no torch.cat, no copies): update a running max m and "
+    "a running sum l with each block, then let it go"
+)
 
 
 @exercise("15.1")
 def check_online_softmax_stats(online_softmax_stats) -> None:
-    """Check ``online_softmax_stats(blocks) -> (m, l)`` against the max and the sum of ``exp(x - m)`` of whole rows."""
+    """Check ``online_softmax_stats(blocks) -> (m, l)`` on streams that can be read once, block by block."""
     g = torch.Generator().manual_seed(1501)
-    for what, x, widths in _softmax_cases(g):
-        blocks = _OnePass(x, widths)
-        got = online_softmax_stats(blocks)
-        if got is None:
-            raise NotSolved("return the pair (m, l), not None")
-        expect(
-            blocks.passes <= 1,
-            f"{what}: you iterated over the blocks {blocks.passes} times. They arrive once, as from a stream (in "
-            "attention, each block of scores is computed, used and dropped): keep a running max and a running sum",
-        )
-        expect(isinstance(got, (tuple, list)) and len(got) == 2, f"return a pair (m, l); got {type(got).__name__}")
-        m, denom = got
-        for name, t in (("m", m), ("l", denom)):
-            expect(isinstance(t, torch.Tensor), f"{what}: {name} should be a torch.Tensor, got {type(t).__name__}")
-            expect(tuple(t.shape) == (x.shape[0],), f"{what}: {name} has shape {tuple(t.shape)}, expected ({x.shape[0]},)")
-        m_ref, l_ref = _stats(x)
-        expect(
-            not torch.isnan(m).any() and not torch.isnan(denom).any(),
-            f"{what}: your m or l holds NaN. While a row has seen only -inf, m is -inf and exp(-inf - (-inf)) is "
-            "NaN: subtract 0 instead of m in that case (torch.where), so that l stays 0",
-        )
-        expect(
-            torch.equal(m.to(m_ref.dtype), m_ref),
-            f"{what}: m should be each row's largest score {m_ref.tolist()}; got {m.tolist()}",
-        )
-        expect(
-            torch.isfinite(denom).all(),
-            f"{what}: l overflowed to inf. Sum exp(x - m) with m the running max, never exp(x) itself",
-        )
-        if not torch.allclose(denom.double(), l_ref.double(), rtol=1e-5, atol=1e-6):
-            hint = (
-                "when a block raises the running max from m to m', the sum so far was taken against m: multiply "
-                "it by exp(m - m') before adding the block's exp(x - m')"
-            )
-            expect(False, f"{what}: l should be {[round(v, 4) for v in l_ref.tolist()]}; got "
-                          f"{[round(v, 4) for v in denom.tolist()]}: {hint}")
+    with _LiveTensors():  # the first dispatch imports torch._dynamo: before tracemalloc, which slows imports
+        torch.zeros(1).add_(1)
+    started_tracing = not tracemalloc.is_tracing()
+    if started_tracing:
+        tracemalloc.start()
+    try:
+        for what, x, widths in _softmax_cases(g):
+            check_memory = len(widths) > 20
+            tracker = _LiveTensors()
+            blocks = _Stream(x, widths, tracker, check_memory)
+            try:
+                with tracker:
+                    got = online_softmax_stats(blocks)
+            except _Materialized as e:
+                raise Wrong(f"{what}: {e}: {_MATERIALIZED_HINT}") from None
+            if got is None:
+                raise NotSolved("return the pair (m, l), not None")
+            expect(blocks.ends <= 1,
+                   f"{what}: you asked the stream for blocks again after it had ended. It can be read only "
+                   "once (the textbook softmax reads a row twice, once for the max, once for the sum): keep a "
+                   "running max and a running sum, and rescale the sum when the max grows")
+            expect(blocks.next_block == len(widths),
+                   f"{what}: you read {blocks.next_block} of the {len(widths)} blocks; read all of them")
+            expect(isinstance(got, (tuple, list)) and len(got) == 2, f"return a pair (m, l); got {type(got).__name__}")
+            m, denom = got
+            for name, t in (("m", m), ("l", denom)):
+                expect(isinstance(t, torch.Tensor), f"{what}: {name} should be a torch.Tensor, got {type(t).__name__}")
+                expect(tuple(t.shape) == (x.shape[0],),
+                       f"{what}: {name} has shape {tuple(t.shape)}, expected ({x.shape[0]},)")
+            m_ref, l_ref = _stats(x)
+            nan_rows = torch.isnan(m) | torch.isnan(denom)
+            expect(not nan_rows.any(),
+                   f"{what}: your m or l holds NaN. While a row has seen only -inf, m is -inf and "
+                   "exp(-inf - (-inf)) is NaN: subtract 0 instead of m in that case (torch.where), so that l "
+                   "stays 0")
+            expect(torch.equal(m.to(m_ref.dtype), m_ref),
+                   f"{what}: m should be each row's largest score {_short(m_ref)}; got {_short(m)}")
+            expect(torch.isfinite(denom).all(),
+                   f"{what}: l overflowed to inf. Sum exp(x - m) with m the running max, never exp(x) itself")
+            if not torch.allclose(denom.double(), l_ref.double(), rtol=1e-5, atol=1e-6):
+                hint = ("when a block raises the running max from m to m', the sum so far was taken against m: "
+                        "multiply it by exp(m - m') before adding the block's exp(x - m')")
+                expect(False, f"{what}: l should be {_short(l_ref)}; got {_short(denom)}: {hint}")
+    finally:
+        if started_tracing:
+            tracemalloc.stop()
+
+
+def _short(t: torch.Tensor, n: int = 4) -> str:
+    """The first ``n`` values of a vector, rounded, for a hint that fits a line."""
+    values = [round(v, 4) for v in t.detach().double().tolist()[:n]]
+    return str(values)[:-1] + (", ...]" if t.numel() > n else "]")
 
 
 # ---------------------------------------------------------------- 15.2
