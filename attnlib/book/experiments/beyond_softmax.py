@@ -34,6 +34,7 @@ import torch
 from attnlib import _cli
 from attnlib.attention.deltanet import GatedDeltaNet
 from attnlib.attention.linear import LinearAttention
+from attnlib.attention.sparse import GatedAttention
 from attnlib.book.experiments.compare_attention import MODEL, _machine, seed_summary
 from attnlib.config import GPTConfig
 from attnlib.data import load_char_corpus
@@ -42,8 +43,10 @@ from attnlib.train import TrainConfig, estimate_loss, train
 
 __all__ = ["MODELS", "TRAINING", "build_model", "compare", "load_results", "main", "seed_summary", "topk_tradeoff"]
 
-#: The compared models: a GPT whose attention layers are softmax MHA, linear attention or gated DeltaNet.
+#: The compared models: a GPT whose attention layers are softmax MHA, linear attention or gated DeltaNet;
+#: ``"gated"`` (softmax MHA with Qwen3-Next's output gate) can be added to separate the gate's share.
 MODELS = ("softmax", "linear", "deltanet")
+ALL_MODELS = (*MODELS, "gated")
 TRAINING = dict(batch_size=16, max_iters=1000, eval_interval=250, eval_iters=50, learning_rate=1e-3, seed=1337)
 SETTINGS = {k: v for k, v in MODEL.items() if k not in ("n_kv_heads", "kv_latent_dim")}
 DEFAULT_OUT = Path("results") / "beyond_softmax.json"
@@ -53,13 +56,13 @@ def build_model(name: str, seed: int) -> GPT:
     """Chapter 13's MHA GPT (``name="softmax"``: exactly its initial weights for ``seed``), or the same
     GPT with every ``block.attn`` replaced by :class:`LinearAttention` / :class:`GatedDeltaNet`
     and the GPT-2 initialisation redone with ``seed``."""
-    if name not in MODELS:
-        raise ValueError(f"name={name!r} is not one of {MODELS}")
+    if name not in ALL_MODELS:
+        raise ValueError(f"name={name!r} is not one of {ALL_MODELS}")
     config = GPTConfig(**SETTINGS, attention="mha")
     torch.manual_seed(seed)
     gpt = GPT(config)
     if name != "softmax":
-        layer = LinearAttention if name == "linear" else GatedDeltaNet
+        layer = {"linear": LinearAttention, "deltanet": GatedDeltaNet, "gated": GatedAttention}[name]
         for block in gpt.blocks:
             block.attn = layer(config.d_model, config.n_heads, block_size=config.block_size, bias=config.bias)
         torch.manual_seed(seed)
@@ -73,13 +76,13 @@ def state_bytes(gpt: GPT, dtype: torch.dtype = torch.float32) -> int:
 
 
 def compare(seeds: tuple[int, ...], training: dict | None = None, checkpoints: Path | None = None,
-            progress: bool = True, on_run=None) -> dict:
-    """Train every model of :data:`MODELS` with every seed; return the results (``variants`` as chapter 13's)."""
+            progress: bool = True, on_run=None, models: tuple[str, ...] = MODELS) -> dict:
+    """Train every model of ``models`` with every seed; return the results (``variants`` as chapter 13's)."""
     cfg = TrainConfig(**{**TRAINING, **(training or {})}, device="cpu")
     corpus = load_char_corpus()
     results = {"meta": _machine(), "model": SETTINGS, "training": asdict(cfg), "seeds": list(seeds), "variants": {}}
     for seed in seeds:
-        for name in MODELS:
+        for name in models:
             gpt = build_model(name, seed)
             if progress:
                 print(f"{name} (seed {seed}): {gpt.num_parameters():,} parameters", file=sys.stderr)
@@ -134,17 +137,17 @@ def topk_tradeoff(results: dict, checkpoints: Path, eval_iters: int = 50) -> dic
     return results
 
 
-def interleaved_speed(rounds: int = 7, steps: int = 20, seed: int = 0) -> dict:
+def interleaved_speed(rounds: int = 7, steps: int = 20, seed: int = 0, models: tuple[str, ...] = MODELS) -> dict:
     """Training tokens/s of each model, measured in turns (model A, B, C, A, B, C, ...) so that a
     changing load on a shared machine hits every model alike; the median over ``rounds``.
 
     Each turn times ``steps`` AdamW steps on random batches of the experiment's shape, one thread.
     """
     T, batch = SETTINGS["block_size"], TRAINING["batch_size"]
-    models = {name: build_model(name, seed) for name in MODELS}
+    models = {name: build_model(name, seed) for name in models}
     optimizers = {n: torch.optim.AdamW(m.parameters(), lr=TRAINING["learning_rate"]) for n, m in models.items()}
     g = torch.Generator().manual_seed(seed)
-    samples: dict[str, list[float]] = {name: [] for name in MODELS}
+    samples: dict[str, list[float]] = {name: [] for name in models}
     for r in range(rounds + 1):  # round 0 warms up and is not counted
         for name, model in models.items():
             x, y = (torch.randint(0, SETTINGS["vocab_size"], (batch, T), generator=g) for _ in range(2))
@@ -179,6 +182,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="where the softmax models' weights are saved (and read by --topk-only)")
     p.add_argument("--topk-only", action="store_true",
                    help="evaluate top-k attention on the saved softmax models, and time the models in turns")
+    p.add_argument("--models", nargs="+", choices=ALL_MODELS, default=list(MODELS))
+    p.add_argument("--merge-from", type=Path, default=None, metavar="FILE",
+                   help="with --topk-only: first add the models of FILE (same seeds and settings)")
     p.add_argument("--out", type=_cli.output_file, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     if len(set(args.seeds)) != len(args.seeds):
@@ -186,8 +192,16 @@ def main(argv: list[str] | None = None) -> dict:
     command = "python -m attnlib.book.experiments.beyond_softmax " + " ".join(sys.argv[1:] if argv is None else argv)
     started = time.perf_counter()
     if args.topk_only:
-        results = topk_tradeoff(json.loads(args.out.read_text()), args.checkpoints, args.eval_iters)
-        results["speed"] = {"models": interleaved_speed(), "threads": torch.get_num_threads()}
+        results = json.loads(args.out.read_text())
+        if args.merge_from is not None:
+            more = json.loads(args.merge_from.read_text())
+            if more["seeds"] != results["seeds"] or more["training"] != results["training"]:
+                p.error(f"--merge-from {args.merge_from}: other seeds or training settings")
+            results["variants"].update(more["variants"])
+            results["meta"]["merged"] = more["meta"]
+        results = topk_tradeoff(results, args.checkpoints, args.eval_iters)
+        results["speed"] = {"models": interleaved_speed(models=tuple(results["variants"])),
+                            "threads": torch.get_num_threads()}
         results["topk"].update(command=command, wall_s=round(time.perf_counter() - started, 1))
         args.out.write_text(json.dumps(results, indent=1) + "\n")
         print(json.dumps(results["topk"], indent=1))
@@ -199,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
 
     training = {"max_iters": args.max_iters, "eval_interval": args.eval_interval, "eval_iters": args.eval_iters}
-    results = compare(tuple(args.seeds), training, args.checkpoints, on_run=write)
+    results = compare(tuple(args.seeds), training, args.checkpoints, on_run=write, models=tuple(args.models))
     write(results, complete=True)
     for name, s in seed_summary(results).items():
         r = results["variants"][name]
