@@ -184,6 +184,23 @@ def test_train_rows():
     assert "TransformerEncoderLayer" in format_train(rows)
 
 
+def test_train_rows_with_the_modern_decoder():
+    from attnlib.bench.train import modern_config
+    from attnlib.modern import ModernDecoder
+
+    config = GPTConfig(vocab_size=16, block_size=8, n_layers=2, n_heads=2, d_model=16)
+    rows = train_rows({"a": (config, 2)}, device="cpu", repeats=1, warmup=0, threads=1, modern=True)
+    row = rows[0]
+    modern = modern_config(config)
+    assert (modern.n_layers, modern.n_heads, modern.kv_heads, modern.d_model) == (2, 2, 2, 16)
+    assert modern.tie_embeddings and not modern.bias
+    assert row["modern_parameters"] == ModernDecoder(modern).num_parameters()
+    assert _positive(row["modern_ms"]) and row["modern_ratio"] == pytest.approx(row["modern_ms"] / row["attnlib_ms"])
+    text = format_train(rows)
+    assert "ModernDecoder" in text and "target <= 1.05" in text
+    assert "modern_ms" not in train_rows({"a": (config, 2)}, device="cpu", repeats=1, warmup=0, threads=1)[0]
+
+
 def test_the_10m_size_has_about_10m_parameters():
     from attnlib.bench import TRAIN_SIZES
     from attnlib.model import GPT

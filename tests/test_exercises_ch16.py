@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from attnlib import RotaryEmbedding
-from attnlib.book.exercises import CORRECT, NOT_SOLVED, WRONG, grade
-from attnlib.book.exercises import ch16
+from attnlib.book.exercises import CORRECT, NOT_SOLVED, WRONG, ch16, grade
 from attnlib.rope import interleaved_to_half_split
 
 

@@ -14,6 +14,11 @@ Chapter 15. Both models have the same sizes, vocabulary, batch and parameter cou
 A step is ``forward → cross-entropy → backward → AdamW.step → zero_grad``, timed in
 rounds that alternate the two models (:func:`attnlib.bench.time_calls`), median reported.
 The ratio is attnlib's time over torch's: below 1 means attnlib's GPT trains faster.
+
+With ``modern=True`` (chapter 16) each row also times :class:`attnlib.ModernDecoder` at the
+same width, depth, heads, vocabulary and batch (:func:`modern_config`: RoPE, RMSNorm, SwiGLU of
+``8/3 · d_model``, tied head, no biases), in the same alternating rounds; ``modern_ratio`` is its
+step time over attnlib's GPT's (issue 14 asks for at most 1.05).
 """
 from __future__ import annotations
 
@@ -25,8 +30,9 @@ from attnlib.bench._common import format_table, resolve_device, time_calls
 from attnlib.bench._common import threads as using_threads
 from attnlib.config import GPTConfig
 from attnlib.model import GPT
+from attnlib.modern import ModernConfig, ModernDecoder
 
-__all__ = ["TRAIN_SIZES", "TRAIN_SMALL", "TorchGPT", "format_train", "train_rows"]
+__all__ = ["TRAIN_SIZES", "TRAIN_SMALL", "TorchGPT", "format_train", "modern_config", "train_rows"]
 
 #: The sizes compared: ``(name, config, batch)``. ``book``: the book's small model (``GPTConfig()``'s
 #: defaults, batch 16 as ``attnlib.train.TrainConfig``); ``10M``: 6 layers, 6 heads, d_model 384, T 256.
@@ -74,6 +80,18 @@ class TorchGPT(nn.Module):
         return logits, loss
 
 
+def modern_config(config: GPTConfig) -> ModernConfig:
+    """The :class:`ModernConfig` of ``config``'s vocabulary, context, depth, heads, width and dropout.
+
+    Key/value heads as ``config.kv_heads`` (all of them for MHA); SwiGLU width ``8/3 · d_model``
+    rounded up to a multiple of 8 (about the GELU MLP's parameters); head tied to the embedding,
+    as the GPT's; no biases (Llama).
+    """
+    return ModernConfig(vocab_size=config.vocab_size, block_size=config.block_size, n_layers=config.n_layers,
+                        n_heads=config.n_heads, d_model=config.d_model, n_kv_heads=config.kv_heads,
+                        dropout=config.dropout, tie_embeddings=True)
+
+
 def _step_fn(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, lr: float):
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
 
@@ -95,6 +113,7 @@ def train_rows(
     warmup: int = 2,
     seed: int = 0,
     threads: int | None = None,
+    modern: bool = False,
 ) -> list[dict]:
     """Seconds per AdamW step of attnlib's GPT and of :class:`TorchGPT`, one row per size.
 
@@ -107,17 +126,19 @@ def train_rows(
         warmup: untimed steps of each model first.
         seed: for the weights and the batch.
         threads: ``torch.set_num_threads`` for the run (``None``: as it is).
+        modern: also time :class:`attnlib.ModernDecoder` of :func:`modern_config` (chapter 16).
 
     Returns:
         Dicts with ``size, n_layers, n_heads, d_model, block_size, vocab_size, batch,
         parameters`` (attnlib's, tied head counted once), ``torch_parameters``,
-        ``attnlib_ms``, ``torch_ms`` and ``ratio`` (attnlib / torch).
+        ``attnlib_ms``, ``torch_ms`` and ``ratio`` (attnlib / torch); with ``modern`` also
+        ``modern_parameters``, ``modern_ms`` and ``modern_ratio`` (ModernDecoder / attnlib's GPT).
     """
     with using_threads(threads):
-        return _train_rows(TRAIN_SIZES if sizes is None else sizes, device, dtype, repeats, warmup, seed)
+        return _train_rows(TRAIN_SIZES if sizes is None else sizes, device, dtype, repeats, warmup, seed, modern)
 
 
-def _train_rows(sizes, device, dtype, repeats, warmup, seed):
+def _train_rows(sizes, device, dtype, repeats, warmup, seed, modern=False):
     device = resolve_device(device)
     rows = []
     for name, (config, batch) in sizes.items():
@@ -128,7 +149,14 @@ def _train_rows(sizes, device, dtype, repeats, warmup, seed):
         data = torch.randint(config.vocab_size, (batch, config.block_size + 1), generator=g).to(device)
         idx, targets = data[:, :-1], data[:, 1:]
         steps = {"attnlib": _step_fn(ours, idx, targets, 1e-4), "torch": _step_fn(theirs, idx, targets, 1e-4)}
+        if modern:
+            torch.manual_seed(seed)
+            decoder = ModernDecoder(modern_config(config)).to(device, dtype).train()
+            steps["modern"] = _step_fn(decoder, idx, targets, 1e-4)
         seconds = time_calls(steps, repeats=repeats, warmup=warmup)
+        extra = {} if not modern else dict(modern_parameters=decoder.num_parameters(),
+                                           modern_ms=1e3 * seconds["modern"],
+                                           modern_ratio=seconds["modern"] / seconds["attnlib"])
         rows.append(
             dict(
                 size=name,
@@ -139,6 +167,7 @@ def _train_rows(sizes, device, dtype, repeats, warmup, seed):
                 attnlib_ms=1e3 * seconds["attnlib"],
                 torch_ms=1e3 * seconds["torch"],
                 ratio=seconds["attnlib"] / seconds["torch"],
+                **extra,
             )
         )
     return rows
@@ -155,6 +184,14 @@ COLUMNS = [
     ("attnlib_ms", "attnlib GPT ms", ".1f"),
     ("torch_ms", "TransformerEncoderLayer GPT ms", ".1f"),
     ("ratio", "ratio", ".3f"),
+]
+MODERN_COLUMNS = [
+    ("size", "model", "s"),
+    ("parameters", "GPT parameters", ",d"),
+    ("modern_parameters", "ModernDecoder parameters", ",d"),
+    ("attnlib_ms", "GPT ms", ".1f"),
+    ("modern_ms", "ModernDecoder ms", ".1f"),
+    ("modern_ratio", "ratio", ".3f"),
 ]
 
 
@@ -173,4 +210,10 @@ def format_train(rows: list[dict], settings: dict | None = None) -> str:
     parts.append(format_table(rows, COLUMNS))
     worst = max(rows, key=lambda r: r["ratio"])
     parts.append(f"\nattnlib's GPT at {worst['ratio']:.3f}x the TransformerEncoderLayer GPT at worst ({worst['size']}).")
+    if all("modern_ms" in row for row in rows):
+        parts.append("\nModernDecoder (RoPE, RMSNorm, SwiGLU 8/3 d_model, tied head, no biases) at the same "
+                     "width, depth, heads and batch; ratio = ModernDecoder / attnlib's GPT (target <= 1.05).")
+        parts.append(format_table(rows, MODERN_COLUMNS))
+        worst = max(rows, key=lambda r: r["modern_ratio"])
+        parts.append(f"\nModernDecoder at {worst['modern_ratio']:.3f}x attnlib's GPT at worst ({worst['size']}).")
     return "\n".join(parts)
