@@ -86,33 +86,106 @@ def suspicious_stub(steps, val_loss, floor_bits=1.0):
 
 
 # ---------------------------------------------------------------- 13.3
-def kv_cache_bytes(results, variant, context_length, batch_size=1, dtype=torch.float32):
-    per_token = results["variants"][variant]["kv_cache_bytes_per_token"]  # all layers, float32
-    return per_token * context_length * batch_size * dtype.itemsize // 4
+def _stats(xs, ddof=1):
+    mean = sum(xs) / len(xs)
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - ddof))
 
 
-def kv_cache_times_layers(results, variant, context_length, batch_size=1, dtype=torch.float32):
-    return kv_cache_bytes(results, variant, context_length, batch_size, dtype) * results["model"]["n_layers"]
+def seed_verdict(losses_a, losses_b, z=2.0):
+    if len(losses_a) < 2 or len(losses_b) < 2:
+        raise ValueError("need at least two seeds per variant")
+    (ma, sa), (mb, sb) = _stats(losses_a), _stats(losses_b)
+    se = math.sqrt(sa**2 / len(losses_a) + sb**2 / len(losses_b))
+    if abs(ma - mb) <= z * se:
+        return None
+    return "a" if ma < mb else "b"
 
 
-def kv_cache_ignores_dtype(results, variant, context_length, batch_size=1, dtype=torch.float32):
-    return results["variants"][variant]["kv_cache_bytes_per_token"] * context_length * batch_size
+def seed_verdict_statistics(losses_a, losses_b, z=2.0):  # the same rule with the standard library
+    import statistics
+
+    if min(len(losses_a), len(losses_b)) < 2:
+        raise ValueError("one seed")
+    se = math.hypot(statistics.stdev(losses_a) / math.sqrt(len(losses_a)),
+                    statistics.stdev(losses_b) / math.sqrt(len(losses_b)))
+    diff = statistics.fmean(losses_a) - statistics.fmean(losses_b)
+    return None if abs(diff) <= z * se else ("a" if diff < 0 else "b")
 
 
-def kv_cache_times_itemsize(results, variant, context_length, batch_size=1, dtype=torch.float32):
-    return results["variants"][variant]["kv_cache_bytes_per_token"] * context_length * batch_size * dtype.itemsize
+def seed_verdict_means_only(losses_a, losses_b, z=2.0):
+    if len(losses_a) < 2 or len(losses_b) < 2:
+        raise ValueError
+    return "a" if sum(losses_a) / len(losses_a) < sum(losses_b) / len(losses_b) else "b"
 
 
-def kv_cache_no_batch(results, variant, context_length, batch_size=1, dtype=torch.float32):
-    return kv_cache_bytes(results, variant, context_length, 1, dtype)
+def seed_verdict_swapped(losses_a, losses_b, z=2.0):
+    v = seed_verdict(losses_a, losses_b, z)
+    return {"a": "b", "b": "a", None: None}[v]
 
 
-def kv_cache_float(results, variant, context_length, batch_size=1, dtype=torch.float32):
-    return kv_cache_bytes(results, variant, context_length, batch_size, dtype) / 1.0
+def seed_verdict_population_sd(losses_a, losses_b, z=2.0):
+    if len(losses_a) < 2 or len(losses_b) < 2:
+        raise ValueError
+    (ma, sa), (mb, sb) = _stats(losses_a, ddof=0), _stats(losses_b, ddof=0)
+    se = math.sqrt(sa**2 / len(losses_a) + sb**2 / len(losses_b))
+    return None if abs(ma - mb) <= z * se else ("a" if ma < mb else "b")
 
 
-def kv_cache_stub(results, variant, context_length, batch_size=1, dtype=torch.float32):
-    raise NotImplementedError("scale the per-token figure")
+def seed_verdict_sd_not_se(losses_a, losses_b, z=2.0):
+    if len(losses_a) < 2 or len(losses_b) < 2:
+        raise ValueError
+    (ma, sa), (mb, sb) = _stats(losses_a), _stats(losses_b)
+    return None if abs(ma - mb) <= z * math.sqrt(sa**2 + sb**2) else ("a" if ma < mb else "b")
+
+
+def seed_verdict_no_sqrt(losses_a, losses_b, z=2.0):
+    if len(losses_a) < 2 or len(losses_b) < 2:
+        raise ValueError
+    (ma, sa), (mb, sb) = _stats(losses_a), _stats(losses_b)
+    se = sa**2 / len(losses_a) + sb**2 / len(losses_b)
+    return None if abs(ma - mb) <= z * se else ("a" if ma < mb else "b")
+
+
+def seed_verdict_three_seeds(losses_a, losses_b, z=2.0):  # right for the chapter's 3 seeds only
+    if len(losses_a) < 2 or len(losses_b) < 2:
+        raise ValueError
+    (ma, sa), (mb, sb) = _stats(losses_a), _stats(losses_b)
+    se = math.sqrt(sa**2 / 3 + sb**2 / 3)
+    return None if abs(ma - mb) <= z * se else ("a" if ma < mb else "b")
+
+
+def seed_verdict_fixed_z(losses_a, losses_b, z=2.0):
+    return seed_verdict(losses_a, losses_b, 2.0)
+
+
+def seed_verdict_ranges(losses_a, losses_b, z=2.0):
+    if len(losses_a) < 2 or len(losses_b) < 2:
+        raise ValueError
+    if max(losses_a) < min(losses_b):
+        return "a"
+    if max(losses_b) < min(losses_a):
+        return "b"
+    return None
+
+
+def seed_verdict_one_seed_ok(losses_a, losses_b, z=2.0):  # with one seed, falls back to the means
+    if len(losses_a) < 2 or len(losses_b) < 2:
+        return "a" if losses_a[0] < losses_b[0] else "b"
+    return seed_verdict(losses_a, losses_b, z)
+
+
+def seed_verdict_sorts_in_place(losses_a, losses_b, z=2.0):
+    losses_a.sort()
+    losses_b.sort()
+    return seed_verdict(losses_a, losses_b, z)
+
+
+def seed_verdict_bool(losses_a, losses_b, z=2.0):
+    return seed_verdict(losses_a, losses_b, z) is not None
+
+
+def seed_verdict_stub(losses_a, losses_b, z=2.0):
+    raise NotImplementedError("compare the difference of the means with z standard errors")
 
 
 @pytest.mark.parametrize(
@@ -133,13 +206,20 @@ def kv_cache_stub(results, variant, context_length, batch_size=1, dtype=torch.fl
         ("13.2", suspicious_false, WRONG),
         ("13.2", suspicious_last, WRONG),
         ("13.2", suspicious_stub, NOT_SOLVED),
-        ("13.3", kv_cache_bytes, CORRECT),
-        ("13.3", kv_cache_times_layers, WRONG),
-        ("13.3", kv_cache_ignores_dtype, WRONG),
-        ("13.3", kv_cache_times_itemsize, WRONG),
-        ("13.3", kv_cache_no_batch, WRONG),
-        ("13.3", kv_cache_float, WRONG),
-        ("13.3", kv_cache_stub, NOT_SOLVED),
+        ("13.3", seed_verdict, CORRECT),
+        ("13.3", seed_verdict_statistics, CORRECT),
+        ("13.3", seed_verdict_means_only, WRONG),
+        ("13.3", seed_verdict_swapped, WRONG),
+        ("13.3", seed_verdict_population_sd, WRONG),
+        ("13.3", seed_verdict_sd_not_se, WRONG),
+        ("13.3", seed_verdict_no_sqrt, WRONG),
+        ("13.3", seed_verdict_three_seeds, WRONG),
+        ("13.3", seed_verdict_fixed_z, WRONG),
+        ("13.3", seed_verdict_ranges, WRONG),
+        ("13.3", seed_verdict_one_seed_ok, WRONG),
+        ("13.3", seed_verdict_sorts_in_place, WRONG),
+        ("13.3", seed_verdict_bool, WRONG),
+        ("13.3", seed_verdict_stub, NOT_SOLVED),
     ],
 )
 def test_verdicts(exercise_id, answer, status):
@@ -159,11 +239,17 @@ def test_verdicts(exercise_id, answer, status):
         ("13.2", suspicious_divides, "you divided"),
         ("13.2", suspicious_index, "not its index"),
         ("13.2", suspicious_false, "return None"),
-        ("13.3", kv_cache_times_layers, "already counts all"),
-        ("13.3", kv_cache_ignores_dtype, "is for float32"),
-        ("13.3", kv_cache_times_itemsize, "already in bytes"),
-        ("13.3", kv_cache_no_batch, "multiply by batch_size"),
-        ("13.3", kv_cache_float, "as an int"),
+        ("13.3", seed_verdict_means_only, "by the means alone"),
+        ("13.3", seed_verdict_swapped, "higher* loss"),
+        ("13.3", seed_verdict_population_sd, "divide by n - 1"),
+        ("13.3", seed_verdict_sd_not_se, "standard error s / sqrt(n)"),
+        ("13.3", seed_verdict_no_sqrt, "take the square root"),
+        ("13.3", seed_verdict_three_seeds, "not by a fixed 3"),
+        ("13.3", seed_verdict_fixed_z, "threshold z the caller passes"),
+        ("13.3", seed_verdict_ranges, "non-overlapping ranges"),
+        ("13.3", seed_verdict_one_seed_ok, "raise ValueError"),
+        ("13.3", seed_verdict_sorts_in_place, "changed the lists"),
+        ("13.3", seed_verdict_bool, "return 'a', 'b' or None"),
     ],
 )
 def test_hints(exercise_id, answer, hint):

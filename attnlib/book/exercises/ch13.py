@@ -3,11 +3,11 @@
 * 13.1 ``perplexity_and_bits(loss)`` -> ``(perplexity, bits_per_char)`` for a loss in nats per character
 * 13.2 ``first_suspicious_step(steps, val_loss, floor_bits=1.0)`` -> the first step whose validation
   loss is below a floor given in bits per character, or ``None``
-* 13.3 ``kv_cache_bytes(results, variant, context_length, batch_size=1, dtype=torch.float32)`` -> int,
-  the KV-cache size from a results file's per-token figure
+* 13.3 ``seed_verdict(losses_a, losses_b, z=2.0)`` -> ``"a"``, ``"b"`` or ``None``: does one
+  variant have a lower loss than the other beyond the spread over seeds?
 
-The graders use fixed inputs (typed-in loss curves, made-up results dicts) and draw no random
-numbers, so checking an answer never changes the notebook's random state.
+The graders use fixed inputs (typed-in loss curves) or draw them from a local
+``random.Random``, so checking an answer never changes the notebook's random state.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 
 from attnlib.book.exercises._core import exercise, expect
 
-__all__ = ["check_perplexity_and_bits", "check_first_suspicious_step", "check_kv_cache_bytes"]
+__all__ = ["check_perplexity_and_bits", "check_first_suspicious_step", "check_seed_verdict"]
 
 LN2 = math.log(2.0)
 
@@ -145,59 +145,123 @@ def check_first_suspicious_step(fn) -> None:
 
 
 # ------------------------------------------------------------------------------------------ 13.3
-def _fake_results(per_token: dict[str, int], **sizes) -> dict:
-    """A results dict shaped like ``compare()``'s output, with only what the exercise may use."""
-    model = dict(vocab_size=65, block_size=32, n_layers=4, n_heads=4, d_model=64, n_kv_heads=2,
-                 kv_latent_dim=16, dropout=0.0, bias=True, attention="mha")
-    model.update(sizes)
-    variants = {name: {"kv_cache_bytes_per_token": b, "parameters": 1, "causal": True} for name, b in per_token.items()}
-    return {"meta": {}, "model": model, "training": {}, "variants": variants}
+# One rule, written once: Welch's difference of means in units of its standard error.
+def _mean_sd(xs: list[float], ddof: int = 1) -> tuple[float, float]:
+    mean = sum(xs) / len(xs)
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - ddof))
 
 
-# The chapter's model (4 layers, d_model 64), and a GPT-2-small-sized one (12 layers, d_model 768,
-# 3 KV heads for GQA, d_c = 128 for MLA); per-token figures = numbers cached x n_layers x 4 bytes.
-_RESULTS_A = _fake_results({"mha": 2048, "mqa": 512, "gqa": 1024, "mla": 256})
-_RESULTS_B = _fake_results({"mha": 73728, "gqa": 18432, "mla": 6144}, n_layers=12, n_heads=12, d_model=768,
-                           n_kv_heads=3, kv_latent_dim=128, block_size=1024, vocab_size=50257)
-_CASES_13_3 = [  # the first case tells n_layers (12) from the float32 itemsize (4)
-    (_RESULTS_B, "gqa", 1024, 1, torch.float32),
-    (_RESULTS_A, "mha", 32, 1, torch.float32),
-    (_RESULTS_A, "mla", 32, 1, torch.float32),
-    (_RESULTS_A, "mqa", 4096, 1, torch.float32),
-    (_RESULTS_A, "gqa", 1000, 8, torch.float32),
-    (_RESULTS_A, "mha", 4096, 16, torch.bfloat16),
-    (_RESULTS_A, "mla", 333, 3, torch.float16),
-    (_RESULTS_B, "mha", 2048, 4, torch.bfloat16),
-    (_RESULTS_B, "mla", 100, 2, torch.float64),
+def _verdict(a, b, z, *, ddof=1, se_kind="se", n_fixed=None, swap=False, z_fixed=None, spread=True):
+    """The rule's verdict ("a", "b" or None), or the verdict of one of its plausible mistakes."""
+    (ma, sa), (mb, sb) = _mean_sd(a, ddof), _mean_sd(b, ddof)
+    na, nb = (n_fixed, n_fixed) if n_fixed else (len(a), len(b))
+    if se_kind == "se":
+        se = math.sqrt(sa**2 / na + sb**2 / nb)
+    elif se_kind == "sd":  # the spread of one run, not of a mean
+        se = math.sqrt(sa**2 + sb**2)
+    else:  # "var": the square root forgotten
+        se = sa**2 / na + sb**2 / nb
+    zz = z if z_fixed is None else z_fixed
+    differ = abs(ma - mb) > zz * se if spread else ma != mb
+    if not differ:
+        return None
+    better = "a" if ma < mb else "b"
+    return ({"a": "b", "b": "a"}[better]) if swap else better
+
+
+def _ranges_verdict(a, b, z):
+    if max(a) < min(b):
+        return "a"
+    if max(b) < min(a):
+        return "b"
+    return None
+
+
+_MISTAKES_13_3 = [  # (a plausible wrong rule, the hint that names it)
+    (lambda a, b, z: _verdict(a, b, z, spread=False),
+     "you rank by the means alone; two means always differ a little: call a difference real only "
+     "when it is larger than z standard errors, else return None"),
+    (lambda a, b, z: _verdict(a, b, z, swap=True),
+     "the verdict names the variant with the *higher* loss; return the one whose mean loss is "
+     "lower (lower is better)"),
+    (lambda a, b, z: _verdict(a, b, z, ddof=0),
+     "use the sample standard deviation (divide by n - 1, statistics.stdev or "
+     "torch.std(unbiased)), not the population one (divide by n): with 2 to 5 seeds it matters"),
+    (lambda a, b, z: _verdict(a, b, z, se_kind="sd"),
+     "the uncertainty of a *mean* over n seeds is its standard error s / sqrt(n); you compared the "
+     "difference with the standard deviations themselves"),
+    (lambda a, b, z: _verdict(a, b, z, se_kind="var"),
+     "take the square root: the standard error is sqrt(s_a^2 / n_a + s_b^2 / n_b), not the sum of "
+     "the variances of the means"),
+    (lambda a, b, z: _verdict(a, b, z, n_fixed=3),
+     "divide by each list's own number of seeds (len(losses)), not by a fixed 3"),
+    (lambda a, b, z: _verdict(a, b, z, z_fixed=2.0),
+     "use the threshold z the caller passes, not a fixed 2"),
+    (_ranges_verdict,
+     "non-overlapping ranges are not the rule here: compare the difference of the means with z "
+     "standard errors (two seeds each can fall apart by chance)"),
 ]
 
 
+def _cases_13_3() -> list[tuple[list[float], list[float], float]]:
+    """Varied cases: 2 to 6 seeds per side, several z, differences placed around the threshold."""
+    import random
+
+    rng = random.Random(1313)
+    cases = []
+    plan = [  # (n_a, n_b, z, difference of the means in units of z standard errors, sign)
+        (3, 3, 2.0, 0.45, 1), (3, 3, 2.0, 1.5, -1), (2, 2, 2.0, 0.9, -1), (5, 5, 2.0, 1.15, 1),
+        (2, 5, 1.0, 1.3, 1), (6, 3, 3.0, 1.2, -1), (3, 4, 3.0, 0.8, 1), (3, 3, 2.0, 0.15, -1),
+        (5, 4, 2.0, 3.0, 1), (2, 3, 2.5, 0.88, -1), (3, 5, 2.0, 0.9, 1), (4, 4, 1.0, 1.9, -1),
+        (4, 2, 2.0, 1.3, -1),
+    ]
+    for n_a, n_b, z, t, sign in plan:
+        a = [round(1.8 + rng.gauss(0, 0.03), 4) for _ in range(n_a)]
+        b = [round(1.8 + rng.gauss(0, 0.03), 4) for _ in range(n_b)]
+        (ma, sa), (mb, sb) = _mean_sd(a), _mean_sd(b)
+        se = math.sqrt(sa**2 / n_a + sb**2 / n_b)
+        shift = ma + sign * t * z * se - mb  # b's mean lands t * z standard errors from a's
+        cases.append((a, [round(x + shift, 6) for x in b], z))
+    # two seeds each, ranges apart, yet the means are less than z standard errors apart
+    cases.append(([1.80, 1.90], [1.91, 2.01], 2.0))
+    # numbers on a larger scale (perplexities, say): 3.3 standard errors apart, variances > 1
+    cases.append(([5.0, 9.2426], [15.0, 19.2426], 2.0))
+    return cases
+
+
+def _is_verdict(x: object) -> bool:
+    return x is None or (isinstance(x, str) and x in ("a", "b"))
+
+
 @exercise("13.3")
-def check_kv_cache_bytes(fn) -> None:
-    """Check ``kv_cache_bytes(results, variant, context_length, batch_size, dtype) -> int`` on made-up results."""
-    for results, variant, T, B, dtype in _CASES_13_3:
-        per_token = results["variants"][variant]["kv_cache_bytes_per_token"]
-        n_layers = results["model"]["n_layers"]
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        expected = per_token * T * B * itemsize // 4
-        what = f"kv_cache_bytes(results, {variant!r}, context_length={T}, batch_size={B}, dtype={dtype})"
-        got = fn(results, variant, T, B, dtype)
-        expect(_is_real(got) and not isinstance(got, float) and not (isinstance(got, torch.Tensor)
-                                                                   and got.is_floating_point()),
-               f"{what}: return a whole number of bytes as an int; got {type(got).__name__}")
-        got = int(got)
-        if got == expected:
+def check_seed_verdict(fn) -> None:
+    """Check ``seed_verdict(losses_a, losses_b, z)`` -> "a", "b" or None on varied per-seed losses."""
+    for a, b in (([1.85], [1.90, 1.92]), ([1.85, 1.86], [1.90])):
+        try:
+            got = fn(list(a), list(b), 2.0)
+        except ValueError:
             continue
-        if got == expected * n_layers:
-            expect(False, f"{what}: the per-token figure already counts all {n_layers} layers; do not multiply "
-                          f"by n_layers again")
-        if got == per_token * T * B:
-            expect(False, f"{what}: the per-token figure is for float32 (4 bytes a number); scale it to {dtype} "
-                          f"({itemsize} bytes a number)")
-        if got == per_token * T * B * itemsize:
-            expect(False, f"{what}: the per-token figure is already in bytes (of float32); scale by "
-                          f"itemsize / 4, do not multiply by the itemsize")
-        if got == per_token * T * itemsize // 4:
-            expect(False, f"{what}: every sequence of the batch has its own cache; multiply by batch_size")
-        expect(False, f"{what}: expected {expected:,} bytes ({per_token} B/token in float32 x {T} tokens x {B} "
-                      f"sequences x {itemsize}/4); got {got:,}")
+        expect(False, f"seed_verdict({a}, {b}) returned {got!r}: one seed has no spread to compare "
+                      f"with; raise ValueError when either list has fewer than 2 losses")
+    cases = _cases_13_3()
+    got_all = []
+    for a, b, z in cases:
+        a_in, b_in = list(a), list(b)
+        got = fn(a_in, b_in, z)
+        expect(a_in == a and b_in == b, "seed_verdict changed the lists it was given (sorted them in "
+                                        "place?); leave the caller's losses as they are")
+        expect(_is_verdict(got), f"return 'a', 'b' or None; got {got!r} for a={a}, b={b}, z={z}")
+        got_all.append(got)
+    expected = [_verdict(a, b, z) for a, b, z in cases]
+    if got_all == expected:
+        return
+    for mistake, hint in _MISTAKES_13_3:
+        if got_all == [mistake(a, b, z) for a, b, z in cases]:
+            expect(False, hint)
+    i = next(i for i, (g, e) in enumerate(zip(got_all, expected)) if g != e)
+    a, b, z = cases[i]
+    (ma, sa), (mb, sb) = _mean_sd(a), _mean_sd(b)
+    se = math.sqrt(sa**2 / len(a) + sb**2 / len(b))
+    expect(False, f"for a={a}, b={b}, z={z}: the means differ by {abs(ma - mb):.4f}, "
+                  f"{abs(ma - mb) / se:.2f} standard errors (se = {se:.4f}), so the verdict is "
+                  f"{expected[i]!r}; you returned {got_all[i]!r}")

@@ -11,10 +11,10 @@ committed run the chapter reads ships inside the package (:mod:`attnlib.book.res
 :func:`load_results` reads it.
 
 The committed file was made in two steps: the first seed with the leaky models, 5000 steps
-(``--include-leaky --eval-iters 50``), then two more seeds of the causal variants, 2000
-steps each to fit a shared 2-core machine, added with ``--seeds 1338 1339 --max-iters 2000
---eval-iters 50 --eval-interval 500 --merge-with FILE``; its ``meta`` records both
-commands, and the chapter compares the seeds at step 2000 (``seed_summary(results, 2000)``).
+(``--include-leaky --eval-iters 50``), then two more seeds of the causal variants, 1000
+steps each to fit a shared 2-core machine, added with ``--seeds 1338 1339 --max-iters 1000
+--eval-iters 50 --eval-interval 1000 --merge-with FILE``; its ``meta`` records both
+commands, and the chapter compares the seeds at step 1000 (``seed_summary(results, 1000)``).
 
 Every variant gets the same configuration (the source's: d_model 64, 4 heads,
 n_kv_heads 2, 4 layers, block 32, batch 16, lr 1e-3, 5000 steps, evaluation every 100
