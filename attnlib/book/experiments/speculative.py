@@ -1,0 +1,86 @@
+"""Chapter 19's experiment: speculative decoding with a trained draft and a trained target.
+
+``python -m attnlib.book.experiments.speculative [--max-iters N] [--out FILE]`` trains two GPTs on
+Tiny Shakespeare (characters): a target (4 layers, width 128) and a draft (1 layer, width 32), then,
+for prompts from the validation text, measures per ``n_draft`` and temperature: the acceptance rate,
+tokens per target pass, tokens/s of plain decoding and of :func:`attnlib.generate.speculative_generate`
+(one thread), and whether greedy output equals the target's own. Results go to one JSON file (default:
+the package's ``speculative.json``, read by chapter 19 with ``attnlib.book.results.load("speculative")``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from attnlib.config import GPTConfig
+from attnlib.data import load_char_corpus
+from attnlib.generate import speculative_generate
+from attnlib.model import GPT
+from attnlib.train import TrainConfig, train
+
+__all__ = ["DRAFT", "TARGET", "main"]
+
+TARGET = dict(n_layers=4, n_heads=4, d_model=128, block_size=128)
+DRAFT = dict(n_layers=1, n_heads=2, d_model=32, block_size=128)
+
+
+def measure(target, draft, prompts, new_tokens, n_draft, temperature, seed=0) -> dict:
+    """Acceptance and speed over ``prompts`` (each ``(1, T)``) for one setting."""
+    g = torch.Generator().manual_seed(seed)
+    totals, same = {"drafted": 0, "accepted": 0, "target_calls": 0}, True
+    t_plain = t_spec = 0.0
+    for p in prompts:
+        t0 = time.perf_counter()
+        plain = target.generate(p, new_tokens, temperature=temperature, generator=g)
+        t1 = time.perf_counter()
+        out, st = speculative_generate(target, draft, p, new_tokens, n_draft=n_draft, temperature=temperature,
+                                       generator=g, return_stats=True)
+        t_spec += time.perf_counter() - t1
+        t_plain += t1 - t0
+        same &= temperature > 0 or torch.equal(out, plain)
+        for k in totals:
+            totals[k] += st[k]
+    n = len(prompts) * new_tokens
+    return dict(n_draft=n_draft, temperature=temperature, acceptance_rate=totals["accepted"] / totals["drafted"],
+                tokens_per_target_call=n / totals["target_calls"], plain_tokens_per_s=n / t_plain,
+                speculative_tokens_per_s=n / t_spec, speedup=t_plain / t_spec,
+                same_as_target_greedy=bool(same) if temperature == 0 else None)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-iters", type=int, default=1500)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--out", default="attnlib/book/results/speculative.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    corpus = load_char_corpus()
+    vocab = corpus.tokenizer.vocab_size
+    models, histories = {}, {}
+    for name, shape in (("target", TARGET), ("draft", DRAFT)):
+        torch.manual_seed(0)
+        models[name] = GPT(GPTConfig(vocab_size=vocab, **shape))
+        cfg = TrainConfig(max_iters=args.max_iters, eval_interval=max(1, args.max_iters // 5), eval_iters=20,
+                          batch_size=16, device="cpu")
+        h = train(models[name], corpus.train, corpus.val, cfg, progress=False)
+        histories[name] = dict(parameters=models[name].num_parameters(), val_loss=h.val_loss[-1],
+                               train_seconds=h.elapsed_s, **shape)
+        models[name].eval()
+    starts = torch.linspace(0, len(corpus.val) - 64, args.prompts).long().tolist()
+    prompts = [corpus.val[s:s + 32][None] for s in starts]
+    rows = [measure(models["target"], models["draft"], prompts, args.new_tokens, k, temp)
+            for temp in (0.0, 0.8) for k in (1, 2, 4, 6)]
+    result = dict(command="python -m attnlib.book.experiments.speculative " + " ".join(argv or []),
+                  max_iters=args.max_iters, new_tokens=args.new_tokens, prompts=args.prompts, threads=1,
+                  models=histories, rows=rows)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(), indent=1))
