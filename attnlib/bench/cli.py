@@ -1,4 +1,4 @@
-"""The command line of :mod:`attnlib.bench`: ``python -m attnlib.bench <mha|kv-cache|memory|train> [options]``.
+"""The command line of :mod:`attnlib.bench`: ``python -m attnlib.bench <mha|kv-cache|memory|train|flash|long-context> [options]``.
 
 Every flag is checked before anything is measured: a bad size, device, count or output
 path gives argparse's ``error:`` line naming the value, and exit status 2. Each run prints
@@ -20,6 +20,7 @@ import torch
 
 from attnlib.bench._common import DTYPES, environment, format_environment, load_average, resolve_device, write_json
 from attnlib.bench._common import threads as using_threads
+from attnlib.bench.flash import COMMAND as FLASH_COMMAND
 from attnlib.bench.kv_cache import GPT2_SMALL, TINY, VARIANTS, format_kv_cache, kv_cache_rows
 from attnlib.bench.long_context import COMMAND as LONG_CONTEXT_COMMAND
 from attnlib.bench.memory import METHODS, format_memory, memory_rows
@@ -29,7 +30,7 @@ from attnlib.bench.train import TRAIN_SIZES, TRAIN_SMALL, format_train, train_ro
 __all__ = ["BENCHMARKS", "main"]
 
 #: Benchmarks defined by a :class:`attnlib.bench._common.Command` next to their rows (newer ones).
-COMMANDS = {"long-context": LONG_CONTEXT_COMMAND}
+COMMANDS = {"flash": FLASH_COMMAND, "long-context": LONG_CONTEXT_COMMAND}
 BENCHMARKS = ("mha", "kv-cache", "memory", "train", *COMMANDS)
 #: Sizes of ``--small`` runs: seconds on a laptop CPU.
 MHA_SMALL = dict(batch=2, seq_len=64, d_model=64, n_heads=4)
