@@ -1,0 +1,277 @@
+"""Exercise checks 08.3 (the cache's bytes from a config) and 08.4 (chunked prefill); :mod:`ch08` registers them."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+import attnlib.kv_memory
+from attnlib.attention import ATTENTION_REGISTRY
+from attnlib.book.exercises._core import (
+    NotSolved,
+    Wrong,
+    call_for_int,
+    exercise,
+    expect,
+    expect_close,
+)
+from attnlib.cache import KVCache
+from attnlib.config import GPTConfig
+
+_GPT2 = dict(vocab_size=50257, block_size=1024, n_layers=12, n_heads=12, d_model=768)
+_BYTES_CONFIGS = [
+    GPTConfig(),  # the book's small model, multi-head (n_kv_heads None: not given)
+    GPTConfig(attention="gqa"),  # GQA without n_kv_heads: one kv head per query head
+    GPTConfig(n_kv_heads=2, attention="gqa"),
+    GPTConfig(attention="mqa"),  # one key/value head (n_kv_heads None)
+    GPTConfig(n_layers=3, kv_latent_dim=24, attention="mla"),
+    GPTConfig(n_layers=2, attention="talking_heads"),
+    GPTConfig(n_layers=5, n_heads=8, d_model=64, n_kv_heads=2, attention="gqa"),
+    GPTConfig(**_GPT2),  # GPT-2 small
+    GPTConfig(**_GPT2, n_kv_heads=4, attention="gqa"),
+    GPTConfig(**_GPT2, attention="mqa"),
+    GPTConfig(**_GPT2, attention="mla"),  # kv_latent_dim None: the default d_model // 4
+]
+_BYTES_CALLS = [
+    (1, 1, torch.float32),
+    (3, 7, torch.bfloat16),
+    (64, None, torch.float16),
+    (2, 5, torch.float64),
+]
+
+
+def _measured_bytes_per_token(config: GPTConfig, dtype: torch.dtype) -> int:
+    """Bytes one token of one sequence takes in a KVCache, measured on the buffers.
+
+    The layers are built on the meta device (shapes, no memory) and each runs on a meta
+    input with its own LayerCache; what they allocate is what is measured.
+    """
+    with torch.device("meta"):
+        layers = [
+            ATTENTION_REGISTRY[config.attention](config).to(dtype)
+            for _ in range(config.n_layers)
+        ]
+        x = torch.empty(1, 2, config.d_model, dtype=dtype)
+    cache = KVCache(config.n_layers, config.block_size)
+    for layer, layer_cache in zip(layers, cache.layers):
+        layer(x, cache=layer_cache)
+    return cache.bytes_per_token()
+
+
+class _BuiltAModel(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def _from_config_only():
+    """Make building a module, or calling the library's estimator, raise (rule of 08.3)."""
+    message = (
+        "compute the bytes from the config's fields; do not build a model or an attention "
+        "layer, and do not call attnlib's own estimator"
+    )
+
+    def refuse(*args, **kwargs):
+        raise _BuiltAModel(message)
+
+    saved = nn.Module.__init__, attnlib.kv_memory.kv_cache_bytes
+    nn.Module.__init__ = refuse
+    attnlib.kv_memory.kv_cache_bytes = refuse
+    try:
+        yield
+    finally:
+        nn.Module.__init__, attnlib.kv_memory.kv_cache_bytes = saved
+
+
+@exercise("08.3")
+def check_kv_cache_bytes(kv_cache_bytes) -> None:
+    """Check ``kv_cache_bytes(config, batch_size, context, dtype) -> int``.
+
+    The expected value is measured: bytes per token of a KVCache filled by the layers
+    (meta device), times batch_size * context.
+    """
+    for config in _BYTES_CONFIGS:
+        measured = {}
+        for batch_size, context, dtype in _BYTES_CALLS:
+            context = config.block_size if context is None else context
+            case = (
+                f"kv_cache_bytes(attention={config.attention!r}, n_layers={config.n_layers}, "
+                f"n_heads={config.n_heads}, n_kv_heads={config.n_kv_heads}, "
+                f"head_dim={config.head_dim}, kv_latent_dim={config.kv_latent_dim}; "
+                f"batch_size={batch_size}, context={context}, {dtype})"
+            )
+            with _from_config_only():
+                got = call_for_int(
+                    kv_cache_bytes, (config, batch_size, context, dtype), case, config
+                )
+            if dtype not in measured:
+                measured[dtype] = _measured_bytes_per_token(config, dtype)
+            size = dtype.itemsize
+            tokens = batch_size * context
+            expected = measured[dtype] * tokens
+            if got == expected:
+                continue
+            per_layer = measured[dtype] // (config.n_layers * size)  # numbers per token, layer
+            case = f"{case} = {got:,}, expected {expected:,}"
+            every = config.n_layers * tokens * size
+            mistakes = [
+                (per_layer * tokens * size, "multiply by n_layers: every layer has its own cache"),
+                (
+                    per_layer * config.n_layers * context * size,
+                    "multiply by batch_size: every sequence has its own cache",
+                ),
+                (
+                    per_layer * config.n_layers * batch_size * size,
+                    "multiply by context: one entry per token",
+                ),
+                (
+                    expected * 8,
+                    "that is bits, not bytes: dtype.itemsize is already in bytes "
+                    f"({dtype} takes {size})",
+                ),
+                (
+                    per_layer * config.n_layers * tokens,
+                    f"multiply by the bytes of one number: {dtype} takes {size} "
+                    "(dtype.itemsize)",
+                ),
+                (
+                    per_layer * config.n_layers * tokens * 4,
+                    f"{dtype} takes {size} bytes per number, not 4 (dtype.itemsize)",
+                ),
+                (
+                    per_layer * config.n_layers * batch_size * config.block_size * size,
+                    "count the context tokens, not the block_size positions that KVCache "
+                    "reserves up front",
+                ),
+            ]
+            name = config.attention
+            all_heads = 2 * config.n_heads * config.head_dim * every
+            if name == "mqa":
+                mistakes.append(
+                    (all_heads, "MQA has one key/value head (config.kv_heads is 1), not n_heads")
+                )
+            if name == "gqa":
+                mistakes.append(
+                    (all_heads, "GQA caches n_kv_heads key/value heads, not n_heads")
+                )
+            if name == "mla":
+                mistakes += [
+                    (
+                        2 * config.latent_dim * every,
+                        "MLA caches the latent once: keys and values are both decoded from it",
+                    ),
+                    (
+                        all_heads,
+                        "MLA caches only the latent, config.latent_dim numbers per token "
+                        "and layer",
+                    ),
+                ]
+            if name in ("mha", "talking_heads", "gqa", "mqa"):
+                mistakes.append(
+                    (per_layer // 2 * every, "keys AND values are cached: a factor 2")
+                )
+            for value, hint in mistakes:
+                expect(value == expected or got != value, f"{case}: {hint}")
+            raise Wrong(
+                f"{case}. Numbers per token per layer: 'mha' and 'talking_heads' "
+                "2*n_heads*head_dim, 'gqa' 2*kv_heads*head_dim, 'mqa' 2*head_dim, "
+                "'mla' latent_dim"
+            )
+
+
+# ---------------------------------------------------------------- 08.4
+_CHUNK_CASES = [  # (attention, overrides, B, T, chunk_size)
+    ("mha", {}, 2, 11, 4),
+    ("gqa", dict(n_kv_heads=2), 1, 9, 3),  # T a multiple of the chunk
+    ("mla", {}, 2, 7, 2),
+    ("mqa", {}, 1, 6, 1),  # one token per call
+    ("mha", {}, 2, 5, 8),  # one chunk holds the whole prompt
+]
+
+
+@exercise("08.4")
+def check_chunked_prefill(chunked_prefill) -> None:
+    """Check ``chunked_prefill(model, idx, chunk_size) -> (logits, cache)`` on several GPTs.
+
+    Every forward call of the model is recorded: none may receive more than chunk_size
+    tokens. The logits must equal one forward pass of the whole prompt, and the cache must
+    go on decoding as if the prompt had been prefilled at once.
+    """
+    from attnlib import GPT
+
+    g = torch.Generator().manual_seed(804)
+    base = GPTConfig(vocab_size=13, block_size=16, n_layers=2, n_heads=4, d_model=32)
+    for name, overrides, B, T, chunk in _CHUNK_CASES:
+        config = base.replace(attention=name, **overrides)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=g)))
+            model = GPT(config).eval()
+        idx = torch.randint(0, config.vocab_size, (B, T), generator=g)
+        nxt = torch.randint(0, config.vocab_size, (B, 1), generator=g)
+        with torch.no_grad():
+            reference, _ = model(idx)
+            after, _ = model(torch.cat([idx, nxt], dim=1))
+        case = f"chunked_prefill({name} GPT, idx of shape {(B, T)}, chunk_size={chunk})"
+
+        calls = []
+        forward = model.forward
+
+        def recording_forward(idx_in, *args, _calls=calls, _forward=forward, **kwargs):
+            cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
+            _calls.append((idx_in.shape[-1], cache))
+            return _forward(idx_in, *args, **kwargs)
+
+        model.forward = recording_forward
+        try:
+            with torch.no_grad():
+                out = chunked_prefill(model, idx.clone(), chunk)
+        finally:
+            del model.forward
+        if out is None:
+            raise NotSolved("return (logits, cache), not None")
+        expect(
+            isinstance(out, (tuple, list)) and len(out) == 2,
+            f"{case}: return a pair (logits, cache); got {type(out).__name__}",
+        )
+        logits, cache = out
+        expect(calls, f"{case}: the model was never called; feed the chunks through model(...)")
+        biggest = max(n for n, _ in calls)
+        expect(
+            biggest <= chunk,
+            f"{case}: a forward call got {biggest} tokens, more than chunk_size={chunk}; "
+            "feed idx[:, s : s + chunk_size] for s = 0, chunk_size, 2 * chunk_size, ...",
+        )
+        expect(
+            all(c is not None for _, c in calls),
+            f"{case}: a forward call got no cache; pass the same KVCache to every chunk so "
+            "that each chunk sees the chunks before it",
+        )
+        expect(
+            len({id(c) for _, c in calls}) == 1,
+            f"{case}: the chunks went through different caches; create ONE KVCache and "
+            "pass it to every chunk, so that each chunk sees the chunks before it",
+        )
+        expect(
+            isinstance(logits, torch.Tensor),
+            f"{case}: the logits should be a tensor; got {type(logits).__name__}",
+        )
+        expect(
+            isinstance(cache, KVCache),
+            f"{case}: return the KVCache the chunks filled; got {type(cache).__name__}",
+        )
+        expect(
+            cache.length == T,
+            f"{case}: the cache holds {cache.length} positions, expected T={T}: the chunks "
+            "overlap or leave tokens out",
+        )
+        expect(
+            tuple(logits.shape) == tuple(reference.shape),
+            f"{case}: logits of shape {tuple(logits.shape)}, expected (B, T, vocab_size) = "
+            f"{tuple(reference.shape)}: concatenate the logits of every chunk on dim 1",
+        )
+        expect_close(logits, reference, f"{case}: the logits")
+        with torch.no_grad():
+            next_logits, _ = model(nxt, cache=cache)
+        expect_close(
+            next_logits, after[:, -1:], f"{case}: a decode step after the chunked prefill"
+        )
