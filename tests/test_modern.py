@@ -49,6 +49,7 @@ def test_greedy_generation_equal_with_and_without_cache(pair):
     prompt = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(2))
     cached = ours.generate(prompt, 30, temperature=0.0)
     assert torch.equal(cached, ours.generate(prompt, 30, temperature=0.0, use_cache=False))
+    hf.generation_config.eos_token_id = None  # LlamaConfig's default eos (2) would stop transformers early
     assert torch.equal(cached, hf.generate(prompt, max_new_tokens=30, do_sample=False, pad_token_id=0))
 
 

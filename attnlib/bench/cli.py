@@ -149,6 +149,8 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"comma-separated (default {','.join(TRAIN_SIZES)}; --small: a tiny model)")
     tr.add_argument("--batch", type=positive, default=None, help="sequences per step (default: each size's own)")
     tr.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    tr.add_argument("--modern", action="store_true",
+                    help="also time the modern decoder (RoPE, RMSNorm, SwiGLU) at the same width and depth")
     common(tr, "train", repeats=5, warmup=2)
 
     for name, command in COMMANDS.items():
@@ -248,11 +250,14 @@ def _run(args: argparse.Namespace, argv: list[str]) -> dict:
         settings.update(common)
     else:
         settings = dict(sizes={name: dict(config=dataclasses.asdict(c), batch=b) for name, (c, b) in args.train_sizes.items()},
-                        dtype=args.dtype, **common)
+                        dtype=args.dtype, modern=args.modern, **common)
         rows = train_rows(args.train_sizes, device=device, dtype=DTYPES[args.dtype], repeats=args.repeats,
-                          warmup=args.warmup)
+                          warmup=args.warmup, modern=args.modern)
         text = format_train(rows, settings)
         summary = {"ratios": {row["size"]: row["ratio"] for row in rows}, "max_ratio": max(r["ratio"] for r in rows)}
+        if args.modern:
+            summary["modern_ratios"] = {row["size"]: row["modern_ratio"] for row in rows}
+            summary["max_modern_ratio"] = max(r["modern_ratio"] for r in rows)
     print(text)
     env["load_average_end"] = load_average()
     payload = dict(benchmark=args.benchmark, command=shlex.join(["python", "-m", "attnlib.bench", *argv]),
