@@ -179,7 +179,44 @@ def causal_tile_kind_never_full(q_start, q_end, k_start, k_end, T_q, T_k):
     return "skip" if k_start > T_k - T_q + q_end - 1 else "partial"
 
 
-REFERENCE = [("15.1", online_softmax_stats), ("15.2", longest_context), ("15.3", causal_tile_kind)]
+# ---------------------------------------------------------------- 15.4
+def merge_partials(out_a, lse_a, out_b, lse_b):
+    m = torch.maximum(lse_a, lse_b)
+    shift = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # 0 when both parts are empty
+    wa, wb = torch.exp(lse_a - shift), torch.exp(lse_b - shift)
+    total = wa + wb
+    out = (wa[..., None] * out_a + wb[..., None] * out_b) / torch.where(total == 0, 1, total)[..., None]
+    return out, shift + torch.log(total)
+
+
+def merge_partials_mean(out_a, lse_a, out_b, lse_b):  # each part is normalised over its own keys
+    return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)
+
+
+def merge_partials_naive_exp(out_a, lse_a, out_b, lse_b):  # exp(lse) overflows for large scores
+    wa, wb = torch.exp(lse_a), torch.exp(lse_b)
+    return (wa[..., None] * out_a + wb[..., None] * out_b) / (wa + wb)[..., None], torch.log(wa + wb)
+
+
+def merge_partials_no_guard(out_a, lse_a, out_b, lse_b):  # NaN when both parts are empty
+    m = torch.maximum(lse_a, lse_b)
+    wa, wb = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    return (wa[..., None] * out_a + wb[..., None] * out_b) / (wa + wb)[..., None], m + torch.log(wa + wb)
+
+
+def merge_partials_lse_max(out_a, lse_a, out_b, lse_b):  # the right output, the max as the lse
+    out, _ = merge_partials(out_a, lse_a, out_b, lse_b)
+    return out, torch.maximum(lse_a, lse_b)
+
+
+def merge_partials_in_place(out_a, lse_a, out_b, lse_b):  # writes the result into out_a
+    out, lse = merge_partials(out_a.clone(), lse_a, out_b, lse_b)
+    out_a.copy_(out)
+    return out_a, lse
+
+
+REFERENCE = [("15.1", online_softmax_stats), ("15.2", longest_context), ("15.3", causal_tile_kind),
+             ("15.4", merge_partials)]
 
 
 @pytest.mark.parametrize(
@@ -212,6 +249,11 @@ def test_reference_answer_is_correct(exercise_id, answer):
         ("15.3", causal_tile_kind_top_left, "top-left"),
         ("15.3", causal_tile_kind_exclusive_end, "nothing is visible"),
         ("15.3", causal_tile_kind_never_full, "expected 'full'"),
+        ("15.4", merge_partials_mean, "plain mean"),
+        ("15.4", merge_partials_naive_exp, "exp(lse) overflows"),
+        ("15.4", merge_partials_no_guard, "sees no key in either part"),
+        ("15.4", merge_partials_lse_max, "lse is max(lse_a, lse_b)"),
+        ("15.4", merge_partials_in_place, "changed its inputs in place"),
     ],
 )
 def test_plausible_mistake_is_wrong(exercise_id, answer, hint):
