@@ -188,12 +188,27 @@ class RotaryEmbedding(nn.Module):
             positions = torch.arange(T, device=x.device)
         if not isinstance(positions, torch.Tensor) or positions.shape[-1] != T:
             raise ValueError(f"positions must be a tensor whose last dimension is T={T}")
-        angle = self.angles(positions.to(x.device))  # (..., T, hd/2)
-        cos = (angle.cos() * self.attention_factor).to(x.dtype)  # attention_factor: 1 except for YaRN
-        sin = (angle.sin() * self.attention_factor).to(x.dtype)
+        cos, sin = self.cos_sin(positions.to(x.device), x.dtype)  # (..., T, head_dim) each
         half = self.head_dim // 2
-        x1, x2 = x[..., :half], x[..., half:]  # half-split pairs (x1[i], x2[i])
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)  # rotate each pair by its angle
+        rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # pairs (x1[i], x2[i]) -> (-x2[i], x1[i])
+        return x * cos + rotated_half * sin  # (x1 cos - x2 sin, x1 sin + x2 cos): each pair turned by its angle
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the angles, each repeated for both halves: ``(…, T, head_dim)`` in ``dtype``.
+
+        The last result is kept and reused while the positions stay the same (every layer of a
+        model, every training step): computing them is a large share of a small model's step.
+        """
+        key = (positions.shape, positions.device, dtype, torch.is_inference_mode_enabled())
+        memo = getattr(self, "_cos_sin", None)
+        if memo is not None and memo[0] == key and torch.equal(memo[1], positions):
+            return memo[2], memo[3]
+        angle = self.angles(positions)  # (..., T, hd/2)
+        angle = torch.cat([angle, angle], dim=-1)  # (..., T, hd): pair i's angle at i and i + hd/2
+        cos = (angle.cos() * self.attention_factor).to(dtype)  # attention_factor: 1 except for YaRN
+        sin = (angle.sin() * self.attention_factor).to(dtype)
+        self._cos_sin = (key, positions.clone(), cos, sin)
+        return cos, sin
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Same as :meth:`rotate`."""
