@@ -1,4 +1,4 @@
-"""The command line of :mod:`attnlib.bench`: ``python -m attnlib.bench <mha|kv-cache|memory|train|flash|long-context> [options]``.
+"""The command line of :mod:`attnlib.bench`: ``python -m attnlib.bench <mha|kv-cache|memory|train|flash|long-context|serving> [options]``.
 
 Every flag is checked before anything is measured: a bad size, device, count or output
 path gives argparse's ``error:`` line naming the value, and exit status 2. Each run prints
@@ -25,12 +25,13 @@ from attnlib.bench.kv_cache import GPT2_SMALL, TINY, VARIANTS, format_kv_cache, 
 from attnlib.bench.long_context import COMMAND as LONG_CONTEXT_COMMAND
 from attnlib.bench.memory import METHODS, format_memory, memory_rows
 from attnlib.bench.mha import CORES, LAYERS, MHA_DEFAULTS, format_mha, mha_rows, mha_summary
+from attnlib.bench.serving import COMMAND as SERVING_COMMAND
 from attnlib.bench.train import TRAIN_SIZES, TRAIN_SMALL, format_train, train_rows
 
 __all__ = ["BENCHMARKS", "main"]
 
 #: Benchmarks defined by a :class:`attnlib.bench._common.Command` next to their rows (newer ones).
-COMMANDS = {"flash": FLASH_COMMAND, "long-context": LONG_CONTEXT_COMMAND}
+COMMANDS = {"flash": FLASH_COMMAND, "long-context": LONG_CONTEXT_COMMAND, "serving": SERVING_COMMAND}
 BENCHMARKS = ("mha", "kv-cache", "memory", "train", *COMMANDS)
 #: Sizes of ``--small`` runs: seconds on a laptop CPU.
 MHA_SMALL = dict(batch=2, seq_len=64, d_model=64, n_heads=4)

@@ -17,18 +17,19 @@ Chapter 19. Three comparisons in one run, each a ratio:
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 from torch import nn
 
-from attnlib.bench._common import format_table, resolve_device, time_calls
+from attnlib.bench._common import Command, format_table, resolve_device, time_calls
 from attnlib.bench._common import threads as using_threads
 from attnlib.config import GPTConfig
 from attnlib.generate import speculative_generate
 from attnlib.model import GPT
 from attnlib.serving import cache_memory, left_pad, request_lengths, serve
 
-__all__ = ["SMALL", "TARGET", "format_serving", "serving_rows", "truncated"]
+__all__ = ["COMMAND", "SMALL", "TARGET", "format_serving", "serving_rows", "truncated"]
 
 #: The default target: big enough that one forward pass of several tokens costs little more than of one.
 TARGET = GPTConfig(vocab_size=1024, block_size=256, n_layers=8, n_heads=8, d_model=512)
@@ -160,3 +161,40 @@ def format_serving(rows: list[dict], settings: dict | None = None) -> str:
                  "target's first layers (self-speculative); a trained pair's acceptance is chapter 19's.")
     parts.append(format_table(rows, COLUMNS))
     return "\n".join(parts)
+
+
+def _add_arguments(parser) -> None:
+    for flag, default, what in (("--prompts", 8, "prompts of different lengths"), ("--tokens", 32, "new tokens each"),
+                                ("--draft-layers", 1, "layers of the self-speculative draft"),
+                                ("--n-draft", 4, "tokens drafted per target pass"), ("--page-size", 16, "positions a page"),
+                                ("--requests", 200, "request lengths in the memory comparison")):
+        parser.add_argument(flag, type=int, default=None, help=f"{what} (default {default}; smaller with --small)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _check(parser, args) -> None:
+    small = dict(prompts=6, tokens=16, draft_layers=1, n_draft=4, page_size=16, requests=200)
+    full = dict(prompts=8, tokens=32, draft_layers=1, n_draft=4, page_size=16, requests=200)
+    for key, default in (small if args.small else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, default)
+        if getattr(args, key) < 1:
+            parser.error(f"argument --{key.replace('_', '-')}: {getattr(args, key)} must be >= 1")
+    args.config = SMALL if args.small else TARGET
+    if args.draft_layers > args.config.n_layers:
+        parser.error(f"argument --draft-layers: {args.draft_layers} exceeds the target's {args.config.n_layers} layers")
+
+
+def _run(args, device):
+    settings = dict(config=dataclasses.asdict(args.config), n_prompts=args.prompts, new_tokens=args.tokens,
+                    draft_layers=args.draft_layers, n_draft=args.n_draft, page_size=args.page_size,
+                    n_requests=args.requests, seed=args.seed)
+    rows = serving_rows(args.config, n_prompts=args.prompts, new_tokens=args.tokens, draft_layers=args.draft_layers,
+                        n_draft=args.n_draft, page_size=args.page_size, n_requests=args.requests,
+                        repeats=args.repeats, seed=args.seed, device=device)
+    summary = {row["comparison"]: row["ratio"] for row in rows}
+    return settings, rows, format_serving(rows, settings), summary
+
+
+COMMAND = Command(help="batched vs one-at-a-time generation, paged vs preallocated cache, speculative vs plain decoding",
+                  add_arguments=_add_arguments, check=_check, run=_run, repeats=3, warmup=0)
