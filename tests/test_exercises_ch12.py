@@ -1,9 +1,13 @@
 """The chapter 12 exercise checks: a reference answer is correct, a plausible mistake is wrong, a stub is not solved."""
+import math
+
 import pytest
 import torch
 
+import attnlib.sampling
 from attnlib import GPT, GPTConfig
 from attnlib.book.exercises import CORRECT, NOT_SOLVED, WRONG, grade
+from attnlib.sampling import sample_next_token, top_k_filter, top_p_filter
 
 
 # ---------------------------------------------------------------- 12.1
@@ -193,10 +197,6 @@ def test_filter_hints(exercise_id, answer, hint):
     assert hint in grade(exercise_id, answer).detail
 
 
-import attnlib.sampling  # noqa: E402
-from attnlib.sampling import sample_next_token, top_k_filter, top_p_filter  # noqa: E402
-
-
 def top_k_calls_the_library(logits, k):  # the filter imported by name, as the chapter's notebook does
     return top_k_filter(logits, k)
 
@@ -238,3 +238,79 @@ def test_top_p_unsorted_hint():
 def test_reference_count_matches_the_model():
     for config in [GPTConfig(), GPTConfig(bias=False), GPTConfig(vocab_size=7, n_layers=2, n_heads=2, d_model=8)]:
         assert gpt_param_count(config) == GPT(config).num_parameters()
+
+
+# ---------------------------------------------------------------- 12.4
+def min_p_filter(logits, p_min):
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < p_min * probs.amax(dim=-1, keepdim=True), float("-inf"))
+
+
+def min_p_in_logit_space(logits, p_min):  # the same rule: z >= z_max + ln p_min
+    threshold = logits.amax(dim=-1, keepdim=True) + math.log(p_min)
+    return torch.where(logits >= threshold, logits, torch.full_like(logits, float("-inf")))
+
+
+def min_p_absolute(logits, p_min):
+    return logits.masked_fill(torch.softmax(logits, dim=-1) < p_min, float("-inf"))
+
+
+def min_p_on_logits(logits, p_min):
+    return logits.masked_fill(logits < p_min * logits.amax(dim=-1, keepdim=True), float("-inf"))
+
+
+def min_p_global_max(logits, p_min):
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < p_min * probs.max(), float("-inf"))
+
+
+def min_p_strict(logits, p_min):
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs <= p_min * probs.amax(dim=-1, keepdim=True), float("-inf"))
+
+
+def min_p_returns_probs(logits, p_min):  # renormalised probabilities instead of filtered logits
+    return torch.softmax(min_p_filter(logits, p_min), dim=-1).masked_fill(
+        torch.isinf(min_p_filter(logits, p_min)), float("-inf"))
+
+
+def min_p_in_place(logits, p_min):
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill_(probs < p_min * probs.amax(dim=-1, keepdim=True), float("-inf"))
+
+
+def min_p_zeros(logits, p_min):
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < p_min * probs.amax(dim=-1, keepdim=True), 0.0)
+
+
+def min_p_library(logits, p_min):  # top-p is not min-p, and the library is refused anyway
+    return top_p_filter(logits, 1 - p_min)
+
+
+@pytest.mark.parametrize(
+    "answer, status, hint",
+    [
+        (min_p_filter, CORRECT, ""),
+        (min_p_in_logit_space, CORRECT, ""),
+        (min_p_absolute, WRONG, "scales with the row's top probability"),
+        (min_p_on_logits, WRONG, "compare probabilities"),
+        (min_p_global_max, WRONG, "top probability of each row"),
+        (min_p_strict, WRONG, "the most likely token must stay"),
+        (min_p_returns_probs, WRONG, "changes the logits it keeps"),
+        (min_p_in_place, WRONG, "in place"),
+        (min_p_zeros, WRONG, "-inf"),
+        (min_p_library, WRONG, "write the filter by hand"),
+    ],
+)
+def test_min_p(answer, status, hint):
+    verdict = grade("12.4", answer)
+    assert verdict.status == status, str(verdict)
+    assert hint in verdict.detail, str(verdict)
+
+
+def test_min_p_stub():
+    def stub(logits, p_min):
+        raise NotImplementedError("keep p >= p_min * max p")
+
+    assert grade("12.4", stub).status == NOT_SOLVED

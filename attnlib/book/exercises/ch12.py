@@ -3,6 +3,8 @@
 * 12.1 ``gpt_param_count(config)`` -> int, the parameters of ``attnlib.GPT(config)`` without building it
 * 12.2 ``top_k_by_hand(logits, k)`` -> logits with all but the ``k`` largest of each row set to ``-inf``
 * 12.3 ``top_p_by_hand(logits, p)`` -> logits outside the nucleus of probability ``p`` set to ``-inf``
+* 12.4 ``min_p_filter(logits, p_min)`` -> logits of tokens less likely than ``p_min`` times the
+  row's most likely token set to ``-inf`` (min-p sampling, Nguyen et al. 2024)
 
 The graders draw their random logits from a local ``torch.Generator`` and build their
 reference models on the ``meta`` device inside ``torch.random.fork_rng``, so checking an
@@ -21,7 +23,7 @@ from attnlib.config import GPTConfig
 from attnlib.model import GPT
 from attnlib.sampling import top_k_filter, top_p_filter
 
-__all__ = ["check_gpt_param_count", "check_top_k_by_hand", "check_top_p_by_hand"]
+__all__ = ["check_gpt_param_count", "check_top_k_by_hand", "check_top_p_by_hand", "check_min_p_filter"]
 
 
 # ---------------------------------------------------------------- 12.1
@@ -215,3 +217,67 @@ def check_top_p_by_hand(fn) -> None:
         expect(False, f"{what}: sort the probabilities (softmax of the logits) in decreasing order and keep the "
                       f"shortest prefix whose sum reaches p; expected {want.tolist()} kept per row, got "
                       f"{kept.tolist()}")
+
+
+# ---------------------------------------------------------------- 12.4
+
+def _min_p_reference(logits: torch.Tensor, p_min: float) -> torch.Tensor:
+    """Min-p filtering (Nguyen et al. 2024): keep tokens whose probability is >= p_min * the row's top one."""
+    probs = torch.softmax(logits.double(), dim=-1)
+    keep = probs >= p_min * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def _min_p_mistakes(logits: torch.Tensor, p_min: float) -> dict[str, torch.Tensor]:
+    """What plausible wrong answers keep, each with the hint that names its mistake."""
+    probs = torch.softmax(logits.double(), dim=-1)
+    top = probs.amax(dim=-1, keepdim=True)
+    inf = float("-inf")
+    return {
+        "the threshold scales with the row's top probability: keep p >= p_min * max(p), not p >= p_min":
+            logits.masked_fill(probs < p_min, inf),
+        "compare probabilities (the softmax of the logits), not the logits themselves":
+            logits.masked_fill(logits < p_min * logits.amax(dim=-1, keepdim=True), inf),
+        "take the top probability of each row (amax over dim=-1, keepdim=True), not of the whole tensor":
+            logits.masked_fill(probs < p_min * probs.amax(), inf),
+        "keep the tokens whose probability equals the threshold too (>=, not >): with p_min = 1 the most "
+        "likely token must stay": logits.masked_fill(probs <= p_min * top, inf),
+    }
+
+
+@exercise("12.4")
+def check_min_p_filter(fn) -> None:
+    """Check min-p filtering against a reference; attnlib's filters raise while the answer runs."""
+    g = torch.Generator().manual_seed(14)
+    cases = []
+    for logits in _random_logits(g):
+        cases += [(logits, p) for p in (0.02, 0.1, 0.3, 1.0)]
+    cases.append((torch.tensor([[2.0, 2.0, 0.0, -1.0], [0.5, 1.5, 1.5, 1.0]]), 1.0))  # ties at the top
+    outs = []
+    for logits, p_min in cases:
+        what = f"min_p_filter(logits of shape {tuple(logits.shape)}, p_min={p_min})"
+        original = logits.clone()
+        with _library_filters_refused(fn):
+            out = fn(logits, p_min)
+        expect(torch.equal(logits, original), f"{what} modified its input in place; return a new tensor")
+        expected = _min_p_reference(logits, p_min)
+        _expect_filtered(out, logits, expected, what)
+        if torch.equal(torch.isinf(out), torch.isinf(expected)):
+            _expect_same_tokens(out, logits, expected, what)
+        outs.append(out)
+    removed = [torch.isinf(out) for out in outs]
+    if all(torch.equal(r, torch.isinf(_min_p_reference(lg, p))) for r, (lg, p) in zip(removed, cases)):
+        return
+    mistakes = [_min_p_mistakes(lg, p) for lg, p in cases]
+    for hint in mistakes[0]:
+        if all(torch.equal(r, torch.isinf(m[hint])) for r, m in zip(removed, mistakes)):
+            expect(False, hint)
+    for (logits, p_min), out in zip(cases, outs):
+        what = f"min_p_filter(logits of shape {tuple(logits.shape)}, p_min={p_min})"
+        expected = _min_p_reference(logits, p_min)
+        if torch.equal(torch.isinf(out), torch.isinf(expected)):
+            continue
+        expect(not bool((_kept(out) == 0).any()), f"{what} removes every token of a row: the most likely token "
+                                                  f"always stays (its probability is the top one)")
+        expect(False, f"{what}: keep exactly the tokens with probability >= p_min * (the row's top probability); "
+                      f"expected {_kept(expected).tolist()} kept per row, got {_kept(out).tolist()}")
