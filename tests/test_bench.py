@@ -275,7 +275,7 @@ def _exit_2(argv, capsys) -> str:
         (["memory", "--head-dim", "0"], "argument --head-dim: 0 must be positive"),
         (["train", "--sizes", "1B"], "argument --sizes: 1B not among book,10M"),
         (["train", "--batch", "0"], "argument --batch: 0 must be positive"),
-        (["flash"], "invalid choice: 'flash'"),
+        (["fused"], "invalid choice: 'fused'"),
     ],
 )
 def test_cli_bad_flags_exit_2_naming_the_value(argv, named, capsys):
