@@ -1,9 +1,10 @@
 """The results files the chapters read, shipped inside the package (so a wheel has them too).
 
-* ``compare_attention.json``: chapter 13's full run of
-  ``python -m attnlib.book.experiments.compare_attention`` (every variant, 5000 steps).
-* ``bench_mha.json``, ``bench_kv_cache.json``, ``bench_memory.json``, ``bench_train.json``: chapter
-  15's full-size runs of ``python -m attnlib.bench <name> --out FILE``.
+* ``compare_attention.json``: chapter 13's run of ``python -m attnlib.book.experiments.compare_attention``
+  (every variant, several seeds);
+* ``bench_<name>.json``: full-size runs of ``python -m attnlib.bench <name> --out FILE`` (chapters 15-19);
+* ``long_context.json``, ``beyond_softmax.json``, ``speculative.json``: the experiments of chapters 17,
+  18 and 19 (``python -m attnlib.book.experiments.<name>``).
 
 Each file records the command, the machine and the commit that produced it. They are read
 with :mod:`importlib.resources`, never from a path computed from ``__file__``, so they are
