@@ -11,12 +11,13 @@ Chapter 18. The committed run (38 minutes for the first command on a shared 2-co
         --merge-from runs/beyond_softmax_gated.json --out runs/beyond_softmax.json \
         --checkpoints runs/beyond_softmax
 
-then copied to ``attnlib/book/results/beyond_softmax.json``. The first trains each model with each seed and saves the softmax models' weights; the second
-times the three models' training steps in turns (:func:`interleaved_speed`: a fairer speed
-comparison on a shared machine than each run's own tokens/s) and evaluates the softmax models
-with top-k sparse attention (:class:`attnlib.attention.TopKAttention`,
-each query keeping its k highest-scoring keys by its own q·k) at k = T, T/2, T/4, T/8 and adds
-the losses to the file.
+then copied to ``attnlib/book/results/beyond_softmax.json``. The first trains each model with
+each seed and saves the softmax models' weights; the second adds softmax attention with the
+output gate (:class:`attnlib.attention.GatedAttention`); the third merges the two, times the
+models' training steps in turns (:func:`interleaved_speed`: a fairer speed comparison on a
+shared machine than each run's own tokens/s) and evaluates the trained softmax models with
+top-k sparse attention (:class:`attnlib.attention.TopKAttention`, each query keeping its k
+highest-scoring keys by its own q·k) at k = T, T/2, T/4, T/8.
 
 Every model is chapter 13's GPT (:data:`attnlib.book.experiments.compare_attention.MODEL`:
 d_model 64, 4 heads, 4 layers, block 32, batch 16, lr 1e-3) with its attention layers replaced;
