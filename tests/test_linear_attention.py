@@ -50,6 +50,17 @@ def test_a_positive_callable_is_accepted_and_used():
     assert not torch.allclose(out, soft, atol=1e-3)
 
 
+def test_a_feature_map_that_changes_the_width_is_probed_at_the_head_width():
+    W = torch.randn(8, 20, dtype=torch.float64)  # random features: (..., d_k=8) -> (..., 20)
+
+    def features(x):
+        return torch.exp(x @ W / 8 - (x * x).sum(-1, keepdim=True) / 16)
+
+    q, k, v = qkv(9, torch.float64)
+    out = linear_attention(q, k, v, "recurrent", feature_map=features, eps=0.0)
+    assert torch.allclose(out, reference(q, k, v, features), atol=1e-10)
+
+
 def test_state_continues_the_sequence():
     q, k, v = qkv(40, torch.float64)
     whole = linear_attention(q, k, v, "parallel")

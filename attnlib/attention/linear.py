@@ -34,11 +34,13 @@ REFUSED_MAPS = ("identity", "none", "linear", "tanh")
 LINEAR_MODES = ("parallel", "recurrent", "chunked")
 
 
-def check_feature_map(feature_map: str | Callable) -> Callable[[torch.Tensor], torch.Tensor]:
+def check_feature_map(feature_map: str | Callable, width: int = 8, dtype: torch.dtype = torch.float32,
+                      device: torch.device | str | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """Resolve ``feature_map`` to a function, refusing one that can produce negative values.
 
-    A name must be a key of :data:`FEATURE_MAPS`. A callable is probed on inputs from -8 to 8
-    (a map that is the identity, ``tanh``, ``sin``, ... shows a negative value there), and
+    A name must be a key of :data:`FEATURE_MAPS`. A callable is probed on inputs from -8 to 8 of
+    shape ``(1, 1, 8, width)`` in ``dtype`` on ``device`` (as the queries it will see; the identity,
+    ``tanh``, ``sin``, ... shows a negative value there), and
     :func:`linear_attention` checks its outputs on the real queries and keys as well.
 
     Raises:
@@ -54,7 +56,7 @@ def check_feature_map(feature_map: str | Callable) -> Callable[[torch.Tensor], t
         raise ValueError(f"feature_map={feature_map!r} is not one of {tuple(FEATURE_MAPS)} (or a callable)")
     if not callable(feature_map):
         raise TypeError(f"feature_map must be a name or a callable; got {type(feature_map).__name__}")
-    probe = torch.linspace(-8.0, 8.0, 64).view(1, 1, 8, 8)  # (B, h, T, d): negative and positive entries
+    probe = torch.linspace(-8.0, 8.0, 8 * width, dtype=dtype, device=device).view(1, 1, 8, width)  # both signs
     _positive(feature_map, feature_map(probe), "on the probe inputs in [-8, 8]")
     return feature_map
 
@@ -119,7 +121,7 @@ def linear_attention(
     if mode not in LINEAR_MODES:
         raise ValueError(f"mode={mode!r} is not one of {LINEAR_MODES}")
     positive_int("chunk_size", chunk_size)
-    phi = check_feature_map(feature_map)
+    phi = check_feature_map(feature_map, q.shape[-1], q.dtype, q.device)
     fq, fk = phi(q), phi(k)  # (..., T, d_φ)
     _positive(phi, fq, "on q")
     _positive(phi, fk, "on k")
@@ -219,7 +221,7 @@ class LinearAttention(nn.Module):
         positive_int("chunk_size", chunk_size)
         if mode not in LINEAR_MODES:
             raise ValueError(f"mode={mode!r} is not one of {LINEAR_MODES}")
-        check_feature_map(feature_map)
+        check_feature_map(feature_map, d_model // n_heads)
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
         self.block_size, self.feature_map, self.mode, self.chunk_size = block_size, feature_map, mode, chunk_size
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
