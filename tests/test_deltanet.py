@@ -117,3 +117,17 @@ def test_bad_inputs_name_the_value():
         GatedDeltaNet(16, 2)(torch.randn(1, 3, 8))
     with pytest.raises(ValueError, match="sequence length T=9 .* exceeds block_size=8"):
         GatedDeltaNet(16, 2, block_size=8)(torch.randn(1, 9, 16))
+
+
+def test_the_committed_comparison_holds_every_model_and_seed():
+    from attnlib.book.experiments import beyond_softmax
+
+    results = beyond_softmax.load_results()
+    assert results["meta"]["complete"] and len(results["seeds"]) >= 2
+    assert set(results["variants"]) == {"softmax", "linear", "deltanet", "gated"}
+    for name, run in results["variants"].items():
+        assert sorted(run["by_seed"]) == sorted(map(str, results["seeds"]))
+        assert run["parameters"] == beyond_softmax.build_model(name, 0).num_parameters()
+    assert results["topk"]["k"] == [32, 16, 8, 4]
+    for seed in results["seeds"]:
+        assert abs(results["topk"]["by_seed"][str(seed)][0] - results["topk"]["dense"][str(seed)]) < 1e-4
