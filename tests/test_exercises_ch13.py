@@ -8,37 +8,40 @@ from attnlib.book.exercises import CORRECT, NOT_SOLVED, WRONG, grade
 
 
 # ---------------------------------------------------------------- 13.1
-def perplexity_and_bits(loss):
-    return math.exp(loss), loss / math.log(2)
+def bits_per_char(loss, n_tokens, n_chars):
+    return loss * n_tokens / n_chars / math.log(2)
 
 
-def perplexity_and_bits_tensor(loss):  # 0-dim tensors are numbers too
-    loss = torch.tensor(loss, dtype=torch.float64)
-    return loss.exp(), loss / math.log(2)
+def bits_per_char_tensor(loss, n_tokens, n_chars):  # 0-dim tensors are numbers too
+    return torch.tensor(loss, dtype=torch.float64) * n_tokens / n_chars / math.log(2)
 
 
-def perplexity_base_2(loss):
-    return 2.0**loss, loss / math.log(2)
+def nats_per_char(loss, n_tokens, n_chars):
+    return loss * n_tokens / n_chars
 
 
-def bits_multiplied(loss):
-    return math.exp(loss), loss * math.log(2)
+def bits_multiplied(loss, n_tokens, n_chars):
+    return loss * n_tokens / n_chars * math.log(2)
 
 
-def bits_log2(loss):
-    return math.exp(loss), math.log2(loss) if loss > 0 else 0.0
+def ratio_inverted(loss, n_tokens, n_chars):
+    return loss * n_chars / n_tokens / math.log(2)
 
 
-def swapped(loss):
-    return loss / math.log(2), math.exp(loss)
+def bits_per_token(loss, n_tokens, n_chars):  # right for a character model only
+    return loss / math.log(2)
 
 
-def only_perplexity(loss):
-    return math.exp(loss)
+def perplexity_per_char(loss, n_tokens, n_chars):
+    return 2 ** bits_per_char(loss, n_tokens, n_chars)
 
 
-def perplexity_stub(loss):
-    raise NotImplementedError("perplexity = e^loss; bits = loss / ln 2")
+def pair_returned(loss, n_tokens, n_chars):
+    return bits_per_char(loss, n_tokens, n_chars), 2 ** bits_per_char(loss, n_tokens, n_chars)
+
+
+def bits_stub(loss, n_tokens, n_chars):
+    raise NotImplementedError("total nats / characters / ln 2")
 
 
 # ---------------------------------------------------------------- 13.2
@@ -191,14 +194,15 @@ def seed_verdict_stub(losses_a, losses_b, z=2.0):
 @pytest.mark.parametrize(
     "exercise_id, answer, status",
     [
-        ("13.1", perplexity_and_bits, CORRECT),
-        ("13.1", perplexity_and_bits_tensor, CORRECT),
-        ("13.1", perplexity_base_2, WRONG),
+        ("13.1", bits_per_char, CORRECT),
+        ("13.1", bits_per_char_tensor, CORRECT),
+        ("13.1", nats_per_char, WRONG),
         ("13.1", bits_multiplied, WRONG),
-        ("13.1", bits_log2, WRONG),
-        ("13.1", swapped, WRONG),
-        ("13.1", only_perplexity, WRONG),
-        ("13.1", perplexity_stub, NOT_SOLVED),
+        ("13.1", ratio_inverted, WRONG),
+        ("13.1", bits_per_token, WRONG),
+        ("13.1", perplexity_per_char, WRONG),
+        ("13.1", pair_returned, WRONG),
+        ("13.1", bits_stub, NOT_SOLVED),
         ("13.2", first_suspicious_step, CORRECT),
         ("13.2", suspicious_in_bits_without_converting, WRONG),
         ("13.2", suspicious_divides, WRONG),
@@ -230,11 +234,12 @@ def test_verdicts(exercise_id, answer, status):
 @pytest.mark.parametrize(
     "exercise_id, answer, hint",
     [
-        ("13.1", perplexity_base_2, "not 2^loss"),
+        ("13.1", nats_per_char, "divide by ln 2"),
         ("13.1", bits_multiplied, "you multiplied"),
-        ("13.1", bits_log2, "not log2(loss)"),
-        ("13.1", swapped, "in that order"),
-        ("13.1", only_perplexity, "return a pair"),
+        ("13.1", ratio_inverted, "inverted the ratio"),
+        ("13.1", bits_per_token, "bits per *token*"),
+        ("13.1", perplexity_per_char, "perplexity per character"),
+        ("13.1", pair_returned, "return one number"),
         ("13.2", suspicious_in_bits_without_converting, "convert the floor to nats"),
         ("13.2", suspicious_divides, "you divided"),
         ("13.2", suspicious_index, "not its index"),

@@ -1,6 +1,7 @@
 """Exercise checks for chapter 13 (attention variants compared): reading losses and results honestly.
 
-* 13.1 ``perplexity_and_bits(loss)`` -> ``(perplexity, bits_per_char)`` for a loss in nats per character
+* 13.1 ``bits_per_char(loss, n_tokens, n_chars)`` -> bits per character of a loss in nats per
+  token (to compare models whose tokenizers differ)
 * 13.2 ``first_suspicious_step(steps, val_loss, floor_bits=1.0)`` -> the first step whose validation
   loss is below a floor given in bits per character, or ``None``
 * 13.3 ``seed_verdict(losses_a, losses_b, z=2.0)`` -> ``"a"``, ``"b"`` or ``None``: does one
@@ -18,7 +19,7 @@ import torch
 
 from attnlib.book.exercises._core import exercise, expect
 
-__all__ = ["check_perplexity_and_bits", "check_first_suspicious_step", "check_seed_verdict"]
+__all__ = ["check_bits_per_char", "check_first_suspicious_step", "check_seed_verdict"]
 
 LN2 = math.log(2.0)
 
@@ -35,47 +36,53 @@ def _close(a: float, b: float, rel: float = 1e-6, abs_: float = 1e-9) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ 13.1
-_LOSSES = (0.11, 0.5, 1.0, 1.8, math.log(65), 0.0)
+def _cases_13_1() -> list[tuple[float, int, int]]:
+    """(loss in nats per token, tokens, characters): varied, tokens of 1 to 5 characters."""
+    import random
+
+    rng = random.Random(1311)
+    cases = [(1.86, 1000, 1000), (3.6, 1000, 3800)]  # a character model; a BPE model
+    for _ in range(6):
+        n_tokens = rng.randint(50, 5000)
+        cases.append((round(rng.uniform(0.5, 6.0), 4), n_tokens, int(n_tokens * rng.uniform(1.5, 5.0))))
+    return cases
 
 
-def _perplexity_bits_hint(loss: float, ppl: float, bits: float) -> str | None:
-    """The most likely mistake behind a wrong ``(ppl, bits)`` for ``loss``, or None if it is not recognised."""
-    exact_ppl, exact_bits = math.exp(loss), loss / LN2
-    if _close(ppl, exact_bits) and _close(bits, exact_ppl):
-        return "you returned (bits, perplexity); return (perplexity, bits_per_char) in that order"
-    if not _close(ppl, exact_ppl):
-        if _close(ppl, 2.0**loss):
-            return "the loss is in nats (natural log), so perplexity = e^loss, not 2^loss"
-        if _close(ppl, 10.0**loss):
-            return "the loss is in nats, so perplexity = e^loss, not 10^loss"
-        return f"perplexity of a loss of {loss:.4f} nats is e^{loss:.4f} = {exact_ppl:.4f}; you returned {ppl:.4f}"
-    if _close(bits, loss * LN2):
-        return "one bit is ln 2 = 0.693 nats, so bits = loss / ln 2 (you multiplied)"
-    if loss > 0 and _close(bits, math.log2(loss)):
-        return "bits per character = loss / ln 2 (a change of unit), not log2(loss)"
-    if _close(bits, loss / math.log(10.0)):
-        return "bits use base 2: divide by ln 2, not ln 10"
-    return None
+_MISTAKES_13_1 = [
+    (lambda loss, nt, nc: loss * nt / nc,
+     "that is nats per character; a bit is ln 2 nats, so divide by ln 2"),
+    (lambda loss, nt, nc: loss * nt / nc * LN2,
+     "one bit is ln 2 = 0.693 nats: divide by ln 2 (you multiplied)"),
+    (lambda loss, nt, nc: loss * nc / (nt * LN2),
+     "the text's total loss is loss * n_tokens nats; spread it over n_chars characters "
+     "(you inverted the ratio)"),
+    (lambda loss, nt, nc: loss / LN2,
+     "that is bits per *token*; multiply by n_tokens for the total, then divide by n_chars"),
+    (lambda loss, nt, nc: 2 ** (loss * nt / (nc * LN2)),
+     "that is the perplexity per character; return the bits"),
+]
 
 
 @exercise("13.1")
-def check_perplexity_and_bits(fn) -> None:
-    """Check ``perplexity_and_bits(loss) -> (e^loss, loss / ln 2)`` on several losses."""
-    for loss in _LOSSES:
-        out = fn(loss)
-        expect(isinstance(out, (tuple, list)) and len(out) == 2,
-               f"return a pair (perplexity, bits_per_char); got {type(out).__name__} for loss={loss}")
-        ppl, bits = out
-        expect(_is_real(ppl) and _is_real(bits),
-               f"return two numbers; got {type(ppl).__name__} and {type(bits).__name__} for loss={loss}")
-        ppl, bits = float(ppl), float(bits)
-        if _close(ppl, math.exp(loss)) and _close(bits, loss / LN2):
-            continue
-        hint = _perplexity_bits_hint(loss, ppl, bits)
-        if hint is None:
-            hint = (f"for a loss of {loss:.4f} nats expected bits {loss / LN2:.4f}, got {bits:.4f}; "
-                    f"bits per character = loss / ln 2")
-        expect(False, f"loss={loss}: {hint}")
+def check_bits_per_char(fn) -> None:
+    """Check ``bits_per_char(loss, n_tokens, n_chars) -> loss * n_tokens / (n_chars * ln 2)``."""
+    cases = _cases_13_1()
+    got = []
+    for loss, nt, nc in cases:
+        out = fn(loss, nt, nc)
+        expect(_is_real(out), f"return one number (bits per character); got {type(out).__name__} "
+                              f"for loss={loss}, n_tokens={nt}, n_chars={nc}")
+        got.append(float(out))
+    expected = [loss * nt / (nc * LN2) for loss, nt, nc in cases]
+    if all(_close(g, e) for g, e in zip(got, expected)):
+        return
+    for mistake, hint in _MISTAKES_13_1:
+        if all(_close(g, mistake(*case)) for g, case in zip(got, cases)):
+            expect(False, hint)
+    i = next(i for i, (g, e) in enumerate(zip(got, expected)) if not _close(g, e))
+    loss, nt, nc = cases[i]
+    expect(False, f"for loss={loss} nats per token, n_tokens={nt}, n_chars={nc}: expected "
+                  f"{expected[i]:.4f} bits per character (loss * n_tokens / n_chars / ln 2), got {got[i]:.4f}")
 
 
 # ------------------------------------------------------------------------------------------ 13.2
