@@ -92,8 +92,8 @@ def test_load_results_from_a_path_and_a_missing_path(tmp_path):
 def test_unknown_results_file():
     from attnlib.book import results
 
-    with pytest.raises(ValueError, match="name='bench_flash' is not a committed results file"):
-        results.load("bench_flash")
+    with pytest.raises(ValueError, match="name='no_such_run' is not a committed results file"):
+        results.load("no_such_run")
 
 
 # ------------------------------------------------------------------ the command line refuses bad flags up front
