@@ -1,0 +1,150 @@
+"""Chapter 17's experiment: how positions generalise past the training context.
+
+``python -m attnlib.book.experiments.long_context [--max-iters N] [--out FILE]`` trains small
+:class:`attnlib.ModernDecoder` models on Tiny Shakespeare at a short context ``L`` (the same
+size and optimiser budget as chapter 13's variants: 4 layers, width 64, 4 heads, batch 16)
+with RoPE, ALiBi, learned positions and none ("nope"), then measures:
+
+* validation loss by position at ``L``, ``2L``, ``4L`` and ``8L`` tokens, for RoPE without
+  scaling and with linear (position interpolation), dynamic NTK and YaRN scaling (applied at
+  evaluation only, no fine-tuning), and for ALiBi and no positions as trained (learned
+  positions have no table past ``L``);
+* a stream far longer than ``L`` through the RoPE model: loss with a window-only cache, with
+  4 attention sinks + the window (StreamingLLM), and with recomputation of the last ``L``
+  tokens at every step (the costly reference).
+
+Everything is written to one JSON file (default: the package's ``long_context.json``, read by
+chapter 17 with ``attnlib.book.results.load("long_context")``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from attnlib.cache import KVCache
+from attnlib.data import get_batch, load_char_corpus
+from attnlib.modern import ModernConfig, ModernDecoder
+from attnlib.train import TrainConfig, train
+
+__all__ = ["POSITION_KINDS", "SCALINGS", "loss_by_position", "main", "rope_scaling_for", "stream_losses"]
+
+POSITION_KINDS = ("rope", "alibi", "learned", "nope")
+SCALINGS = ("none", "linear", "dynamic", "yarn")
+MODEL = dict(n_layers=4, n_heads=4, d_model=64)
+
+
+def rope_scaling_for(kind: str, factor: float, trained: int) -> dict | None:
+    """The ``rope_scaling`` dict of ``kind`` for evaluating at ``factor`` times the trained context."""
+    if kind == "none" or factor <= 1:
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "dynamic":  # base grows with the sequence once it passes `trained` (max_position_embeddings)
+        return {"rope_type": "dynamic", "factor": 1.0}
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": trained}
+
+
+def _evaluator(model: ModernDecoder, T: int, scaling: dict | None) -> ModernDecoder:
+    """The trained weights in a model of context ``T`` (and RoPE scaling); RoPE's buffers are not weights."""
+    config = model.config.replace(block_size=T, rope_scaling=scaling)
+    evaluator = ModernDecoder(config).eval()
+    evaluator.load_state_dict(model.state_dict())
+    if scaling is not None and scaling["rope_type"] == "dynamic":  # dynamic NTK keys off the trained length
+        evaluator.rope.max_position_embeddings = model.config.block_size  # (the layers share this module)
+    return evaluator
+
+
+@torch.no_grad()
+def loss_by_position(model: ModernDecoder, data: torch.Tensor, T: int, batches: int = 8, batch_size: int = 8,
+                     seed: int = 0) -> list[float]:
+    """Mean cross-entropy (nats) at each position ``0..T-1`` of ``batches`` random windows of ``data``."""
+    generator = torch.Generator().manual_seed(seed)
+    total = torch.zeros(T)
+    for _ in range(batches):
+        x, y = get_batch(data, batch_size, T, generator)
+        logits = model(x)[0]
+        total += torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(0)
+    return (total / batches).tolist()
+
+
+@torch.no_grad()
+def stream_losses(model: ModernDecoder, tokens: torch.Tensor, window: int, n_sink: int) -> list[float]:
+    """Per-token loss of ``tokens`` (1-D) read one token at a time through a sink (or window-only) cache."""
+    cache = KVCache(model.config.n_layers, len(tokens) + 1, windows=[window] * model.config.n_layers, n_sink=n_sink)
+    losses = []
+    for t in range(len(tokens) - 1):
+        logits = model(tokens[t : t + 1].view(1, 1), cache=cache)[0][0, -1]
+        losses.append(torch.nn.functional.cross_entropy(logits, tokens[t + 1]).item())
+    return losses
+
+
+@torch.no_grad()
+def recompute_losses(model: ModernDecoder, tokens: torch.Tensor) -> list[float]:
+    """Per-token loss when every step re-reads the last ``block_size`` tokens from scratch (the reference)."""
+    L, losses = model.config.block_size, []
+    for t in range(len(tokens) - 1):
+        logits = model(tokens[max(0, t + 1 - L) : t + 1].view(1, -1), last_only=True)[0][0, -1]
+        losses.append(torch.nn.functional.cross_entropy(logits, tokens[t + 1]).item())
+    return losses
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m attnlib.book.experiments.long_context", description=__doc__)
+    parser.add_argument("--context", type=int, default=64, help="training context L (default 64)")
+    parser.add_argument("--max-iters", type=int, default=5000, help="optimiser steps per model (chapter 13: 5000)")
+    parser.add_argument("--positions", default=",".join(POSITION_KINDS), help="which models to train")
+    parser.add_argument("--stream", type=int, default=1024, help="tokens in the streaming test")
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--out", default="attnlib/book/results/long_context.json")
+    args = parser.parse_args(argv)
+    kinds = [k for k in args.positions.split(",") if k]
+    if unknown := sorted(set(kinds) - set(POSITION_KINDS)):
+        parser.error(f"--positions: {unknown} not among {POSITION_KINDS}")
+    corpus = load_char_corpus()
+    L, factors = args.context, (1, 2, 4, 8)
+    given = sys.argv[1:] if argv is None else argv
+    results = {"command": " ".join(["python -m attnlib.book.experiments.long_context", *given]),
+               "context": L, "factors": list(factors), "model": MODEL, "max_iters": args.max_iters,
+               "threads": torch.get_num_threads(), "curves": {}, "train_seconds": {}, "final_val_loss": {}}
+    models = {}
+    for kind in kinds:
+        torch.manual_seed(args.seed)
+        model = ModernDecoder(ModernConfig(vocab_size=corpus.vocab_size, block_size=L, position=kind, **MODEL))
+        start = time.perf_counter()
+        history = train(model, corpus.train, corpus.val, TrainConfig(max_iters=args.max_iters, eval_interval=500,
+                                                                      eval_iters=50, seed=args.seed), progress=False)
+        results["train_seconds"][kind] = round(time.perf_counter() - start, 1)
+        results["final_val_loss"][kind] = history.val_loss[-1]
+        models[kind] = model.eval()
+        print(f"{kind}: val {history.val_loss[-1]:.3f} in {results['train_seconds'][kind]:.0f} s", flush=True)
+    for kind, model in models.items():
+        for f in factors:
+            scalings = SCALINGS if kind == "rope" and f > 1 else ("none",)
+            if kind == "learned" and f > 1:
+                continue  # no position table past L
+            for scaling in scalings:
+                evaluator = _evaluator(model, L * f, rope_scaling_for(scaling, f, L))
+                curve = loss_by_position(evaluator, corpus.val, L * f)
+                results["curves"][f"{kind}/{scaling}/{f}"] = curve
+                print(f"{kind:7s} {scaling:8s} x{f}: mean {sum(curve) / len(curve):.3f}", flush=True)
+    if "rope" in models:
+        tokens = corpus.val[: args.stream + 1]
+        model = models["rope"]
+        results["stream"] = {
+            "tokens": args.stream,
+            "window_only": stream_losses(model, tokens, window=L, n_sink=0),
+            "sinks": stream_losses(model, tokens, window=L - 4, n_sink=4),
+            "recompute": recompute_losses(model, tokens),
+        }
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(results, f)
+    print(f"wrote {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
