@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlib._checks import divisible, positive_int, probability
-from attnlib.attention.linear import read_state, write_state
+from attnlib.attention.linear import check_recurrent_input, read_state, write_state
 from attnlib.cache import LayerCache
 
 __all__ = ["DELTA_MODES", "GatedDeltaNet", "gated_delta_rule"]
@@ -198,14 +198,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, *, cache: LayerCache | None = None, return_weights: bool = False) -> torch.Tensor:
         """``(B, T, d_model)`` → ``(B, T, d_model)``; with a cache, continue the cached sequence."""
-        if return_weights:
-            raise ValueError("return_weights=True: a gated DeltaNet layer computes no attention weights")
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have shape (B, T, d_model={self.d_model}); got {getattr(x, 'shape', x)}")
-        B, T, _ = x.shape
-        past = 0 if cache is None else cache.length
-        if self.block_size is not None and past + T > self.block_size:
-            raise ValueError(f"sequence length T={past + T} (cached {past} + new {T}) exceeds block_size={self.block_size}")
+        B, T, past = check_recurrent_input(self, x, cache, return_weights, "a gated DeltaNet layer")
 
         def heads(t: torch.Tensor) -> torch.Tensor:
             return t.view(B, T, self.n_heads, -1).transpose(1, 2)  # (B, T, h * w) -> (B, h, T, w)

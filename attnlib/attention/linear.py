@@ -189,6 +189,24 @@ def write_state(cache: LayerCache, names: tuple[str, ...], state: tuple[torch.Te
     cache.length += T_new
 
 
+
+def check_recurrent_input(layer: nn.Module, x: object, cache: LayerCache | None, return_weights: bool,
+                          what: str) -> tuple[int, int, int]:
+    """Check a recurrent layer's ``forward`` arguments (``layer.d_model``, ``layer.block_size``); return ``(B, T, past)``.
+
+    Raises:
+        ValueError: weights asked for, ``x`` not ``(B, T, d_model)``, or the sequence past ``block_size``.
+    """
+    if return_weights:
+        raise ValueError(f"return_weights=True: {what} computes no attention weights")
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != layer.d_model:
+        raise ValueError(f"x must have shape (B, T, d_model={layer.d_model}); got {getattr(x, 'shape', x)}")
+    B, T, _ = x.shape
+    past = 0 if cache is None else cache.length
+    if layer.block_size is not None and past + T > layer.block_size:
+        raise ValueError(f"sequence length T={past + T} (cached {past} + new {T}) exceeds block_size={layer.block_size}")
+    return B, T, past
+
 class LinearAttention(nn.Module):
     """Multi-head causal linear attention with the GPT block's attention interface. Chapter 18.
 
@@ -242,14 +260,7 @@ class LinearAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, *, cache: LayerCache | None = None, return_weights: bool = False) -> torch.Tensor:
         """``(B, T, d_model)`` → ``(B, T, d_model)``; with a cache, continue the cached sequence."""
-        if return_weights:
-            raise ValueError("return_weights=True: a linear attention layer computes no softmax weights")
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have shape (B, T, d_model={self.d_model}); got {getattr(x, 'shape', x)}")
-        B, T, _ = x.shape
-        past = 0 if cache is None else cache.length
-        if self.block_size is not None and past + T > self.block_size:
-            raise ValueError(f"sequence length T={past + T} (cached {past} + new {T}) exceeds block_size={self.block_size}")
+        B, T, past = check_recurrent_input(self, x, cache, return_weights, "a linear attention layer")
         q, k, v = (t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, T, d) -> (B, h, T, hd)
                    for t in self.qkv(x).split(self.d_model, dim=-1))
         mode = "recurrent" if T == 1 else self.mode
