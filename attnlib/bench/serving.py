@@ -188,7 +188,7 @@ def _check(parser, args) -> None:
 def _run(args, device):
     settings = dict(config=dataclasses.asdict(args.config), n_prompts=args.prompts, new_tokens=args.tokens,
                     draft_layers=args.draft_layers, n_draft=args.n_draft, page_size=args.page_size,
-                    n_requests=args.requests, seed=args.seed)
+                    n_requests=args.requests, seed=args.seed, repeats=args.repeats)
     rows = serving_rows(args.config, n_prompts=args.prompts, new_tokens=args.tokens, draft_layers=args.draft_layers,
                         n_draft=args.n_draft, page_size=args.page_size, n_requests=args.requests,
                         repeats=args.repeats, seed=args.seed, device=device)

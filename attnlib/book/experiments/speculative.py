@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [corpus.val[s:s + 32][None] for s in starts]
     rows = [measure(models["target"], models["draft"], prompts, args.new_tokens, k, temp)
             for temp in (0.0, 0.8) for k in (1, 2, 4, 6)]
-    result = dict(command="python -m attnlib.book.experiments.speculative " + " ".join(argv or []),
+    given = sys.argv[1:] if argv is None else argv
+    result = dict(command=" ".join(["python -m attnlib.book.experiments.speculative", *given]),
                   max_iters=args.max_iters, new_tokens=args.new_tokens, prompts=args.prompts, threads=1,
                   models=histories, rows=rows)
     with open(args.out, "w") as f:
