@@ -83,15 +83,18 @@ class RotaryAttention(MultiHeadAttention):
         renumbers = getattr(cache, "renumbers", False)
         if renumbers and positions is not None and self.rope is not None:
             raise ValueError("positions cannot be given with a sink cache: it numbers positions within the cache")
-        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.qkv(x).split([q_width, kv_width, kv_width], dim=-1)
-        q, k, v = self.split_heads(q, self.n_heads), self.split_heads(k, self.n_kv_heads), self.split_heads(v, self.n_kv_heads)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # per head, over head_dim (Qwen3: before RoPE)
-        T = x.shape[1]
+        B, T, _ = x.shape
+        heads = self.qkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
+        qk, v = heads.split([self.n_heads + self.n_kv_heads, self.n_kv_heads], dim=1)  # (B, heads, T, hd) views
+        if self.q_norm is not None:  # per head, over head_dim (Qwen3: before RoPE)
+            q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        v = v.contiguous()
         if self.rope is None:  # no rotation (ALiBi or no position information): as MultiHeadAttention
+            q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
             return q, *(cache.update(k=k, v=v) if cache is not None else (k, v))
-        if renumbers:  # StreamingLLM: keys stored unrotated, rotated at cache positions
+        if renumbers:
+            q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)  # StreamingLLM: keys stored unrotated, rotated at cache positions
             k, v = cache.update(k=k, v=v)
             n = k.shape[-2]
             k = self.rope.rotate(k, torch.arange(n, device=x.device))
@@ -101,7 +104,7 @@ class RotaryAttention(MultiHeadAttention):
             positions = torch.arange(start, start + T, device=x.device)  # absolute positions of the new tokens
         else:
             positions = positions[:, None, :]  # (B, T) -> (B, 1, T): the same positions in every head
-        q, k = self.rope.rotate(q, positions), self.rope.rotate(k, positions)
+        q, k = self.rope.rotate(qk, positions).split([self.n_heads, self.n_kv_heads], dim=1)  # one rotation for both
         if cache is not None:
             k, v = cache.update(k=k, v=v)  # keys cached rotated: never rotated again
         return q, k, v
