@@ -15,48 +15,23 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
+from fresh_env import ROOT, build_wheel, fresh_venv, offline_env, run
 
-ROOT = Path(__file__).resolve().parents[1]  # the checkout: a test may know where the repository is
 SOLUTIONS = ROOT / "solutions" / "01_attention_from_averages_solutions.ipynb"
-
-
-def run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
-    result = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"{cmd} exited with {result.returncode}\n{result.stdout}\n{result.stderr}"
-    return result
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     """``(python of the new environment, a working directory outside the checkout, its environment variables)``."""
     tmp = tmp_path_factory.mktemp("install")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    env.update(PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PYTHONNOUSERSITE="1")
-
-    # 1. a wheel from a copy of the sources (building in the checkout would leave build/ there)
-    src = tmp / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    shutil.copytree(ROOT / "attnlib", src / "attnlib", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp / "dist", src],
-        cwd=tmp, env=env)
-    (wheel,) = (tmp / "dist").glob("attnlib-*.whl")
-
-    # 2. a fresh environment that sees this one's dependencies but not its editable attnlib
-    venv = tmp / "venv"
-    run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp, env=env)
-    python = venv / "bin" / "python"
-    purelib = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                       cwd=tmp, env=env).stdout.strip())
-    (purelib / "zz_attnlib_test_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    env = offline_env()
+    wheel = build_wheel(tmp, env)  # 1. a wheel from a copy of the sources
+    python = fresh_venv(tmp, env)  # 2. a fresh environment that sees this one's dependencies but not attnlib
+    venv = python.parents[1]
     run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", wheel],
         cwd=tmp, env=env)
 

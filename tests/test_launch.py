@@ -19,14 +19,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
-import sys
-import sysconfig
 from pathlib import Path
 
 import nbformat
 import pytest
+from fresh_env import build_wheel, fresh_venv, offline_env, run
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -36,12 +34,6 @@ IMPORTS_ATTNLIB = re.compile(r"^\s*(?:import attnlib|from attnlib[\w.]* import)"
 
 def install_cell(path: Path) -> nbformat.NotebookNode:
     return nbformat.read(path, as_version=4).cells[0]
-
-
-def run(cmd: list, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    result = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, f"{cmd} exited with {result.returncode}\n{result.stdout}\n{result.stderr}"
-    return result
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.stem}")
@@ -86,24 +78,10 @@ def fresh_kernel(tmp_path_factory):
     """``(kernel name, its python, a directory outside the checkout, the wheel)``: a Jupyter kernel
     of a fresh virtual environment that can import torch and ipykernel but not attnlib."""
     tmp = tmp_path_factory.mktemp("launch")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    env.update(PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PYTHONNOUSERSITE="1")
-
-    src = tmp / "src"  # a wheel from a copy of the sources (building in place would leave build/ behind)
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    shutil.copytree(ROOT / "attnlib", src / "attnlib", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp / "dist", src],
-        cwd=tmp, env=env)
-    (wheel,) = (tmp / "dist").glob("attnlib-*.whl")
-
-    venv = tmp / "venv"
-    run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp, env=env)
-    python = venv / "bin" / "python"
-    purelib = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                       cwd=tmp, env=env).stdout.strip())
-    (purelib / "zz_attnlib_test_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    env = offline_env()
+    wheel = build_wheel(tmp, env)
+    python = fresh_venv(tmp, env)
+    venv = python.parents[1]
 
     kernels = tmp / "jupyter" / "kernels" / "fresh-venv"
     kernels.mkdir(parents=True)
