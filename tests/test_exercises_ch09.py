@@ -52,9 +52,9 @@ def test_09_1_mistakes_are_wrong(kwargs, hint):
 
 # 09.2 additive (Bahdanau) cross-attention ----------------------------------------------------------
 
-def additive(s, h, W_s, W_h, w, mask=None, *, tanh=True, softmax_dim=-1, mask_after=False, scale=False,
+def additive(s, m, W_s, W_m, w, mask=None, *, tanh=True, softmax_dim=-1, mask_after=False, scale=False,
              project_values=False):
-    features = (s @ W_s.T).unsqueeze(2) + (h @ W_h.T).unsqueeze(1)  # (B, T_q, T_k, d_a)
+    features = (s @ W_s.T).unsqueeze(2) + (m @ W_m.T).unsqueeze(1)  # (B, T_q, T_k, d_a)
     scores = (torch.tanh(features) if tanh else features) @ w  # (B, T_q, T_k)
     if scale:
         scores = scores / math.sqrt(W_s.shape[0])
@@ -63,7 +63,7 @@ def additive(s, h, W_s, W_h, w, mask=None, *, tanh=True, softmax_dim=-1, mask_af
     weights = torch.softmax(scores, dim=softmax_dim)
     if mask is not None and mask_after:
         weights = weights * mask[:, None, :]
-    values = h @ W_h.T if project_values else h
+    values = m @ W_m.T if project_values else m
     return weights @ values, weights
 
 
@@ -78,7 +78,7 @@ def test_09_2_reference_is_correct():
         (dict(softmax_dim=-2), "over the keys"),
         (dict(mask_after=True), "-inf before the softmax"),
         (dict(scale=True), "no 1/sqrt(d) scale"),
-        (dict(project_values=True), "weighted sum of the encoder states h"),
+        (dict(project_values=True), "weighted sum of the encoder states m"),
     ],
     ids=["no-tanh", "softmax-over-queries", "mask-after-softmax", "scaled", "projected-values"],
 )
@@ -89,7 +89,7 @@ def test_09_2_mistakes_are_wrong(kwargs, hint):
 
 
 def test_09_2_ignoring_the_mask_is_wrong():
-    verdict = grade("09.2", lambda s, h, W_s, W_h, w, mask=None: additive(s, h, W_s, W_h, w))
+    verdict = grade("09.2", lambda s, m, W_s, W_m, w, mask=None: additive(s, m, W_s, W_m, w))
     assert verdict.status == WRONG and "padded key" in verdict.detail, str(verdict)
 
 

@@ -2,8 +2,9 @@
 
 * 09.1 ``cross_attention_weights(q, k, key_padding_mask=None)`` -> ``(B, T_q, T_k)``: one head of cross-attention
   weights, ``q`` ``(B, T_q, d)``, ``k`` ``(B, T_k, d)``, mask ``(B, T_k)`` bool, True = real key
-* 09.2 ``additive_attention(s, h, W_s, W_h, w, mask=None)`` -> ``(context, weights)``: the additive
-  cross-attention of Bahdanau et al. (2015), ``e_ij = w . tanh(W_s s_i + W_h h_j)``
+* 09.2 ``additive_attention(s, m, W_s, W_m, w, mask=None)`` -> ``(context, weights)``: the additive
+  cross-attention of Bahdanau et al. (2015), ``e_ij = w . tanh(W_s s_i + W_m m_j)``, encoder states ``m``
+  (memory; Bahdanau et al. write ``h_j``)
 * 09.3 ``rank_auc(scores, labels)`` -> float: ROC AUC from ranks, ties counted one half
 
 The graders draw their random inputs from a local ``torch.Generator``; ``grade`` runs them inside
@@ -70,16 +71,16 @@ def check_cross_attention_weights(fn) -> None:
 
 
 # ------------------------------------------------------------------------------------------ 09.2
-def _additive(s, h, W_s, W_h, w, mask=None, *, tanh=True, scale=False):
-    """Bahdanau et al. (2015) attention: e_ij = w . tanh(W_s s_i + W_h h_j), softmax over j."""
-    features = (s @ W_s.T)[:, :, None, :] + (h @ W_h.T)[:, None, :, :]  # (B, T_q, T_k, d_a)
+def _additive(s, m, W_s, W_m, w, mask=None, *, tanh=True, scale=False):
+    """Bahdanau et al. (2015) attention: e_ij = w . tanh(W_s s_i + W_m m_j), softmax over j."""
+    features = (s @ W_s.T)[:, :, None, :] + (m @ W_m.T)[:, None, :, :]  # (B, T_q, T_k, d_a)
     scores = (torch.tanh(features) if tanh else features) @ w  # (B, T_q, T_k)
     if scale:
         scores = scores / W_s.shape[0] ** 0.5
     if mask is not None:
         scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
     weights = torch.softmax(scores, dim=-1)
-    return weights @ h, weights  # (B, T_q, d_h), (B, T_q, T_k)
+    return weights @ m, weights  # (B, T_q, d_m), (B, T_q, T_k)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -90,31 +91,31 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 def check_additive_attention(fn) -> None:
     """Check Bahdanau-style additive cross-attention against a reference (weights and context)."""
     g = torch.Generator().manual_seed(92)
-    cases = [  # (B, T_q, T_k, d_s, d_h, d_a, lengths)
+    cases = [  # (B, T_q, T_k, d_s, d_m, d_a, lengths)
         (2, 3, 5, 4, 6, 7, None),
         (2, 4, 6, 5, 3, 8, (6, 2)),
         (3, 5, 3, 4, 4, 4, (3, 1, 2)),  # more queries than keys
         (1, 1, 7, 2, 5, 3, (4,)),
     ]
-    for B, T_q, T_k, d_s, d_h, d_a, lengths in cases:
+    for B, T_q, T_k, d_s, d_m, d_a, lengths in cases:
         s = torch.randn(B, T_q, d_s, generator=g)
-        h = torch.randn(B, T_k, d_h, generator=g)
+        m = torch.randn(B, T_k, d_m, generator=g)
         W_s = torch.randn(d_a, d_s, generator=g) / d_s**0.5
-        W_h = torch.randn(d_a, d_h, generator=g) / d_h**0.5
+        W_m = torch.randn(d_a, d_m, generator=g) / d_m**0.5
         w = torch.randn(d_a, generator=g)
         mask = None if lengths is None else torch.arange(T_k)[None, :] < torch.tensor(lengths)[:, None]
-        given = [t.clone() for t in (s, h, W_s, W_h, w)]
-        label = (f"additive_attention with B={B}, T_q={T_q}, T_k={T_k}, d_s={d_s}, d_h={d_h}, "
+        given = [t.clone() for t in (s, m, W_s, W_m, w)]
+        label = (f"additive_attention with B={B}, T_q={T_q}, T_k={T_k}, d_s={d_s}, d_m={d_m}, "
                  f"d_a={d_a}, " + ("no mask" if mask is None else f"lengths {lengths}"))
-        out = fn(s, h, W_s, W_h, w, None if mask is None else mask.clone())
+        out = fn(s, m, W_s, W_m, w, None if mask is None else mask.clone())
         if out is None:
             raise NotSolved("return (context, weights), not None")
         expect(isinstance(out, (tuple, list)) and len(out) == 2,
                f"{label}: return a pair (context, weights); got {type(out).__name__}")
         context, weights = out
-        expect(all(torch.equal(a, b) for a, b in zip((s, h, W_s, W_h, w), given)),
+        expect(all(torch.equal(a, b) for a, b in zip((s, m, W_s, W_m, w), given)),
                f"{label}: your function changed one of its inputs")
-        expected_c, expected_w = _additive(s, h, W_s, W_h, w, mask)
+        expected_c, expected_w = _additive(s, m, W_s, W_m, w, mask)
         expect(isinstance(weights, torch.Tensor) and tuple(weights.shape) == tuple(expected_w.shape),
                f"{label}: weights should have shape (B, T_q, T_k) = {tuple(expected_w.shape)}; got "
                f"{tuple(getattr(weights, 'shape', ()))}")
@@ -135,16 +136,16 @@ def check_additive_attention(fn) -> None:
                           "scores with -inf before the softmax (zeroing weights after it leaves rows "
                           "that no longer sum to 1)")
         if not _close(weights, expected_w):
-            expect(not _close(weights, _additive(s, h, W_s, W_h, w, mask, tanh=False)[1]),
-                   f"{label}: the score is w . tanh(W_s s_i + W_h h_j); you left out the tanh")
-            expect(not _close(weights, _additive(s, h, W_s, W_h, w, mask, scale=True)[1]),
+            expect(not _close(weights, _additive(s, m, W_s, W_m, w, mask, tanh=False)[1]),
+                   f"{label}: the score is w . tanh(W_s s_i + W_m m_j); you left out the tanh")
+            expect(not _close(weights, _additive(s, m, W_s, W_m, w, mask, scale=True)[1]),
                    f"{label}: additive attention has no 1/sqrt(d) scale; that belongs to dot-product "
                    "attention")
             expect_close(weights, expected_w.double(), f"{label}: the weights")
         expect(isinstance(context, torch.Tensor) and tuple(context.shape) == tuple(expected_c.shape),
-               f"{label}: the context should be the weighted sum of the encoder states h, shape "
-               f"(B, T_q, d_h) = {tuple(expected_c.shape)}; got {tuple(getattr(context, 'shape', ()))}")
-        expect_close(context, expected_c, f"{label}: the context vectors (weights @ h)")
+               f"{label}: the context should be the weighted sum of the encoder states m, shape "
+               f"(B, T_q, d_m) = {tuple(expected_c.shape)}; got {tuple(getattr(context, 'shape', ()))}")
+        expect_close(context, expected_c, f"{label}: the context vectors (weights @ m)")
 
 
 # ------------------------------------------------------------------------------------------ 09.3
