@@ -39,32 +39,53 @@ def scores_by_decoding_keys(q, c, w_uk, n_heads):
 
 
 # ---------------------------------------------------------------- 07.2
-def fold_output(v_up_weight, out_proj_weight, n_heads):
-    d_model, d_c = out_proj_weight.shape[0], v_up_weight.shape[1]
-    w_uv = v_up_weight.view(n_heads, -1, d_c)
-    w_o = out_proj_weight.view(d_model, n_heads, -1)
-    return torch.einsum("mhd,hdc->hcm", w_o, w_uv)
+def fold_query(q_weight, q_bias, w_uk, n_heads):
+    d_c = w_uk.shape[1]
+    w_q = q_weight.view(n_heads, -1, q_weight.shape[1])  # (h, hd, d): W^q_h
+    b_q = q_bias.view(n_heads, -1)  # (h, hd)
+    uk_t = w_uk.view(n_heads, -1, d_c).transpose(1, 2)  # (h, d_c, hd): W^UK_h^T
+    return uk_t @ w_q, torch.einsum("hcd,hd->hc", uk_t, b_q)
 
 
-def fold_output_untransposed(v_up_weight, out_proj_weight, n_heads):
-    return fold_output(v_up_weight, out_proj_weight, n_heads).transpose(1, 2)
+def fold_query_no_bias(q_weight, q_bias, w_uk, n_heads):
+    a, c = fold_query(q_weight, q_bias, w_uk, n_heads)
+    return a, torch.zeros_like(c)
 
 
-def fold_output_by_rows(v_up_weight, out_proj_weight, n_heads):
-    d_model, d_c = out_proj_weight.shape[0], v_up_weight.shape[1]
-    w_uv = v_up_weight.view(n_heads, -1, d_c)
-    w_o = out_proj_weight.view(n_heads, -1, d_model)  # rows: the heads are the inputs, not the outputs
-    return torch.einsum("hdc,hdm->hcm", w_uv, w_o)
+def fold_query_transposed_shape(q_weight, q_bias, w_uk, n_heads):
+    a, c = fold_query(q_weight, q_bias, w_uk, n_heads)
+    return a.transpose(1, 2), c
 
 
-def fold_output_summed(v_up_weight, out_proj_weight, n_heads):
-    return fold_output(v_up_weight, out_proj_weight, n_heads).sum(0)
+def fold_query_reshaped_w_uk(q_weight, q_bias, w_uk, n_heads):
+    uk_t = w_uk.reshape(n_heads, w_uk.shape[1], -1)  # (hd, d_c) blocks read as (d_c, hd): not a transpose
+    w_q = q_weight.view(n_heads, -1, q_weight.shape[1])
+    return uk_t @ w_q, (uk_t @ q_bias.view(n_heads, -1, 1)).squeeze(-1)
 
 
-def fold_output_in_place(v_up_weight, out_proj_weight, n_heads):
-    result = fold_output(v_up_weight, out_proj_weight, n_heads)
-    out_proj_weight.zero_()
-    return result
+def fold_query_interleaved(q_weight, q_bias, w_uk, n_heads):
+    d, d_c = q_weight.shape[1], w_uk.shape[1]
+    w_q = q_weight.view(-1, n_heads, d).transpose(0, 1)  # rows h, h + n_heads, ...: not split_heads' layout
+    b_q = q_bias.view(-1, n_heads).T
+    uk_t = w_uk.view(-1, n_heads, d_c).permute(1, 2, 0)
+    return uk_t @ w_q, torch.einsum("hcd,hd->hc", uk_t, b_q)
+
+
+def fold_query_scaled(q_weight, q_bias, w_uk, n_heads):
+    a, c = fold_query(q_weight, q_bias, w_uk, n_heads)
+    head_dim = q_weight.shape[0] // n_heads
+    return a / math.sqrt(head_dim), c / math.sqrt(head_dim)
+
+
+def fold_query_in_place(q_weight, q_bias, w_uk, n_heads):
+    a, c = fold_query(q_weight, q_bias, w_uk, n_heads)
+    q_bias.zero_()
+    return a, c
+
+
+def fold_query_bias_unfolded(q_weight, q_bias, w_uk, n_heads):
+    a, _ = fold_query(q_weight, q_bias, w_uk, n_heads)
+    return a, q_bias.view(n_heads, -1)
 
 
 # ---------------------------------------------------------------- 07.3
@@ -130,7 +151,7 @@ def decode_step_decoded_keys(layer, x_new, cache, rope):
     return _step(layer, x_new, cache, rope, decode_keys=True)
 
 
-REFERENCE = [("07.1", absorbed_scores), ("07.2", fold_output), ("07.3", absorbed_decode_step)]
+REFERENCE = [("07.1", absorbed_scores), ("07.2", fold_query), ("07.3", absorbed_decode_step)]
 
 
 @pytest.mark.parametrize("exercise_id, answer", REFERENCE)
@@ -145,10 +166,13 @@ def test_reference_answer_is_correct(exercise_id, answer):
         ("07.1", absorbed_scores_d_c_scale, "1/sqrt(head_dim)"),
         ("07.1", absorbed_scores_interleaved, "w_uk.view(n_heads, head_dim, d_c)"),
         ("07.1", scores_by_decoding_keys, "fold w_uk into q"),
-        ("07.2", fold_output_untransposed, "transpose"),
-        ("07.2", fold_output_by_rows, "columns"),
-        ("07.2", fold_output_summed, "one matrix per head"),
-        ("07.2", fold_output_in_place, "changed the weights"),
+        ("07.2", fold_query_no_bias, "the query bias is dropped"),
+        ("07.2", fold_query_transposed_shape, "W^UK is transposed"),
+        ("07.2", fold_query_reshaped_w_uk, "read with its axes swapped"),
+        ("07.2", fold_query_interleaved, "the heads are interleaved"),
+        ("07.2", fold_query_scaled, "with no scale"),
+        ("07.2", fold_query_in_place, "changed the weights"),
+        ("07.2", fold_query_bias_unfolded, "split into heads but not folded"),
         ("07.3", decode_step_scale_head_dim, "1/sqrt(head_dim + rope_dim)"),
         ("07.3", decode_step_scale_latent, "the width of the absorbed vectors"),
         ("07.3", decode_step_query_off_by_one, "positions count from 0"),
@@ -174,14 +198,11 @@ def test_reference_answers_agree_with_the_library():
         q, k, _ = mla.project(x)
         scores = absorbed_scores(q, mla.latent(x), mla.k_up.weight, config.n_heads)
         torch.testing.assert_close(scores, q @ k.transpose(-2, -1) / math.sqrt(config.head_dim))
-        # 07.2: the folded matrices turn the absorbed path's weighted latents into the module's output
-        mla.absorb = True
-        q_latent, c, _ = mla.project(x)
-        y_latent, _ = mla.attend(q_latent, c, c, None, True, False)
-        w = fold_output(mla.v_up.weight, mla.out_proj.weight, config.n_heads)
-        out = torch.einsum("bhtc,hcm->btm", y_latent, w) + mla.out_proj.bias
-        mla.absorb = False
-        torch.testing.assert_close(out, mla(x))
+        # 07.2: the query projection with W^UK folded in gives the absorbed path's scores, bias included
+        a, c = fold_query(mla.q_proj.weight, mla.q_proj.bias, mla.k_up.weight, config.n_heads)
+        q_latent = torch.einsum("hcd,btd->bhtc", a, x) + c[:, None, :]  # (B, h, T, d_c)
+        latents = mla.latent(x).unsqueeze(1)  # (B, 1, T, d_c)
+        torch.testing.assert_close(q_latent @ latents.transpose(-2, -1), q @ k.transpose(-2, -1))
 
 
 @pytest.mark.parametrize("exercise_id", ["07.1", "07.2", "07.3"])

@@ -2,8 +2,8 @@
 
 * 07.1 ``check_absorbed_scores``: attention scores against the latents, with ``W^UK`` folded into the
   queries (DeepSeek-V2 §2.1.2), never decoding the keys.
-* 07.2 ``check_fold_output``: the per-head output matrices ``(W^O_h W^UV_h)^T`` that map weighted
-  latents straight to the output.
+* 07.2 ``check_fold_query``: ``W^UK`` folded into the query projection, bias included: ``A_h = W^UK_h^T W^q_h``,
+  ``c_h = W^UK_h^T b_h``, so ``(A_h x + c_h) . c_t = (W^q_h x + b_h) . (W^UK_h c_t)``; checked by scores, at float64.
 * 07.3 ``check_absorbed_decode_step``: one decoding step of MLA with a decoupled rotary key
   (DeepSeek-V2 §2.1.3): the cache holds the latent ``c`` and the shared rotated key ``k^R``; the
   score is the absorbed content part plus ``q^R . k^R``. Checked at every position against the
@@ -22,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect, expect_close
 
-__all__ = ["check_absorbed_scores", "check_fold_output", "check_absorbed_decode_step", "rope"]
+__all__ = ["check_absorbed_scores", "check_fold_query", "check_absorbed_decode_step", "rope"]
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -103,67 +103,83 @@ def check_absorbed_scores(absorbed_scores) -> None:
 
 
 # ---------------------------------------------------------------- 07.2
-_FOLD_CASES = [  # (d_model, n_heads, d_c)
-    (12, 3, 5),
-    (16, 4, 16),
-    (8, 1, 3),
-    (24, 4, 10),
-]
+_QUERY_CASES = [(12, 3, 4, 7), (16, 4, 4, 10), (10, 1, 6, 3), (20, 5, 2, 9)]  # (d, n_heads, head_dim, d_c)
 
 
-def _fold(v_up_weight: torch.Tensor, out_proj_weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    d_model = out_proj_weight.shape[0]
-    w_uv = v_up_weight.view(n_heads, -1, v_up_weight.shape[1])  # (n_heads*hd, d_c) -> (n_heads, hd, d_c)
-    w_o = out_proj_weight.view(d_model, n_heads, -1)  # (d_model, n_heads*hd) -> (d_model, n_heads, hd): columns per head
-    return torch.einsum("hdc,mhd->hcm", w_uv, w_o)  # (n_heads, d_c, d_model)
+def _fold_query_ref(wq, bq, w_uk, h, q_split="heads", k_split="heads", k_read="right"):
+    """``A_h = W^UK_h^T W^q_h`` (h, d_c, d), ``c_h = W^UK_h^T b_h`` (h, d_c), or a mistake: split ``"inter"`` reads row
+    ``d*h + i`` as head ``i``; ``k_read`` ``"view"``/``"t_view"`` reshapes ``w_uk``/``w_uk.T`` instead of transposing."""
+    def per_head(w, split):  # rows (h*hd, ...) -> (h, hd, ...)
+        return w.reshape(h, -1, *w.shape[1:]) if split == "heads" else w.reshape(-1, h, *w.shape[1:]).transpose(0, 1)
+    uk_t = {"right": lambda: per_head(w_uk, k_split).transpose(1, 2), "view": lambda: w_uk.reshape(h, w_uk.shape[1], -1),
+            "t_view": lambda: w_uk.T.reshape(h, w_uk.shape[1], -1)}[k_read]()  # (h, d_c, hd)
+    return uk_t @ per_head(wq, q_split), (uk_t @ per_head(bq, q_split).unsqueeze(-1)).squeeze(-1)
+
+
+def _close64(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return tuple(a.shape) == tuple(b.shape) and torch.allclose(a, b, atol=1e-9, rtol=1e-9)
 
 
 @exercise("07.2")
-def check_fold_output(fold_output) -> None:
-    """Check ``fold_output(v_up_weight, out_proj_weight, n_heads) -> (n_heads, d_c, d_model)`` = ``(W^O_h W^UV_h)^T``."""
+def check_fold_query(fold_query) -> None:
+    """Check ``fold_query(q_weight, q_bias, w_uk, n_heads) -> (A, c)`` by the scores it gives, at float64."""
     g = torch.Generator().manual_seed(7072)
-    for d_model, n_heads, d_c in _FOLD_CASES:
-        head_dim = d_model // n_heads
-        w_uv = torch.randn(d_model, d_c, generator=g) / math.sqrt(d_c)
-        w_o = torch.randn(d_model, d_model, generator=g) / math.sqrt(d_model)
-        w_uv_before, w_o_before = w_uv.clone(), w_o.clone()
-        case = f"(d_model={d_model}, n_heads={n_heads}, d_c={d_c})"
+    for d, h, hd, d_c in _QUERY_CASES:
+        f64 = dict(generator=g, dtype=torch.float64)
+        wq, bq = torch.randn(h * hd, d, **f64) / math.sqrt(d), torch.randn(h * hd, **f64)
+        w_uk = torch.randn(h * hd, d_c, **f64) / math.sqrt(d_c)
+        x, lat = torch.randn(d + 3, d, **f64), torch.randn(d_c + 3, d_c, **f64)  # enough to pin A and c down
+        before = (wq.clone(), bq.clone(), w_uk.clone())
+        case = f"(d_model={d}, n_heads={h}, head_dim={hd}, d_c={d_c})"
         with torch.no_grad():
-            got = fold_output(w_uv, w_o, n_heads)
-        if got is None:
-            raise NotSolved("return the folded matrices of shape (n_heads, d_c, d_model), not None")
-        expect(isinstance(got, torch.Tensor), f"return a torch.Tensor; got {type(got).__name__}")
-        expect(
-            torch.equal(w_uv, w_uv_before) and torch.equal(w_o, w_o_before),
-            "your function changed the weights it was given; build a new tensor",
-        )
-        expected = _fold(w_uv, w_o, n_heads)
-        shape = tuple(got.shape)
-        expect(
-            not (shape == (d_c, d_model) and _close(got, expected.sum(0))),
-            f"{case}: you returned one (d_c, d_model) matrix, the heads summed; keep one matrix per head, "
-            f"shape (n_heads, d_c, d_model) = {(n_heads, d_c, d_model)}: each head weights its own latent average",
-        )
-        if shape == (n_heads, d_model, d_c) and (n_heads, d_model, d_c) != (n_heads, d_c, d_model):
-            expect(
-                not _close(got.transpose(1, 2), expected),
-                f"{case}: you returned W^O_h W^UV_h, shape (n_heads, d_model, d_c); transpose each head's matrix "
-                f"to (d_c, d_model) so that y_latent (..., d_c) multiplies it from the left",
-            )
-        expect(
-            shape == (n_heads, d_c, d_model),
-            f"{case}: the result has shape {shape}, expected (n_heads, d_c, d_model) = {(n_heads, d_c, d_model)}",
-        )
-        if _close(got, expected):
+            result = fold_query(wq, bq, w_uk, h)
+        if result is None:
+            raise NotSolved("return the pair (A, c): A of shape (n_heads, d_c, d_model), c of shape (n_heads, d_c)")
+        expect(all(torch.equal(t, t0) for t, t0 in zip((wq, bq, w_uk), before)),
+               "your function changed the weights it was given (an in-place operation such as mul_, add_ or "
+               "transpose_); build new tensors and leave the layer's weights alone")
+        expect(isinstance(result, tuple) and len(result) == 2 and all(isinstance(t, torch.Tensor) for t in result),
+               f"return a pair of tensors (A, c); got {type(result).__name__}")
+        a, c = result
+        expect(a.dtype == c.dtype == torch.float64,
+               f"the weights are float64 and your results {a.dtype}, {c.dtype}; keep the dtype you were given")
+        shape_hints = [
+            (a.shape == (h, d, d_c), f"A has shape {(h, d, d_c)}, (n_heads, d_model, d_c): W^UK is transposed. "
+             f"A_h = W^UK_h^T W^q_h maps x (d_model) into latent space (d_c): shape {(h, d_c, d)}"),
+            (a.shape == (d_c, d), f"A has shape {(d_c, d)}: one matrix, the heads summed; every head keeps its own A_h"),
+            (a.shape != (h, d_c, d), f"A has shape {tuple(a.shape)}, expected (n_heads, d_c, d_model) = {(h, d_c, d)}"),
+            (c.shape == (h, hd), f"c has shape {(h, hd)}: the query bias split into heads but not folded; it meets "
+             f"W^UK_h like the rest of the query: c_h = W^UK_h^T b_h, shape {(h, d_c)}"),
+            (c.shape != (h, d_c), f"c has shape {tuple(c.shape)}, expected (n_heads, d_c) = {(h, d_c)}"),
+        ]
+        for bad, hint in shape_hints:
+            expect(not bad, f"{case}: {hint}")
+        got = (torch.einsum("hcd,nd->hnc", a, x) + c.unsqueeze(1)) @ lat.T  # (A_h x + c_h) . c_t: (h, N, M)
+        q = (x @ wq.T + bq).view(-1, h, hd).transpose(0, 1)  # (h, N, hd), bias included
+        expected = q @ (lat @ w_uk.T).view(-1, h, hd).permute(1, 2, 0)  # q . (W^UK_h c_t), keys decoded
+        if _close64(got, expected):
             continue
-        by_rows = torch.einsum("hdc,hdm->hcm", w_uv.view(n_heads, head_dim, d_c), w_o.view(n_heads, head_dim, d_model))
-        expect(
-            not _close(got, by_rows),
-            f"{case}: you cut out_proj_weight into heads by rows. W^O_h is the block of columns "
-            "h*head_dim:(h+1)*head_dim of out_proj_weight (nn.Linear stores (out_features, in_features), and the "
-            "heads are its inputs): out_proj_weight.view(d_model, n_heads, head_dim)[:, h]",
-        )
-        expect_close(got, expected, f"{case}: your folded matrices (W[h] = (W^O_h W^UV_h)^T)")
+        ref_a, ref_c = _fold_query_ref(wq, bq, w_uk, h)
+        a_ok, c_ok = _close64(a, ref_a), _close64(c, ref_c)
+        expect(not (a_ok and _close64(c, torch.zeros_like(c))),
+               f"{case}: A is right but c is zero: the query bias is dropped. (W^q_h x + b_h) . k adds "
+               "b_h . (W^UK_h c_t), different for every latent, to the score: c_h = W^UK_h^T b_h")
+        for name, width in (("head_dim", hd), ("d_c", d_c)):
+            expect(not (_close64(a, ref_a / math.sqrt(width)) and (c_ok or _close64(c, ref_c / math.sqrt(width)))),
+                   f"{case}: A (and c) are divided by sqrt({name}); the exercise asks for the raw score "
+                   "(W^q_h x + b_h) . (W^UK_h c_t), with no scale: the attention applies 1/sqrt(head_dim) later")
+        for read in ("view", "t_view"):
+            expect(not _close64(a, _fold_query_ref(wq, bq, w_uk, h, k_read=read)[0]),
+                   f"{case}: W^UK_h is read with its axes swapped (reshaped to (d_c, head_dim), not transposed). "
+                   "Head h's block is w_uk.view(n_heads, head_dim, d_c)[h]; A_h = W^UK_h^T W^q_h uses its transpose")
+        for splits in (("inter", "inter"), ("inter", "heads"), ("heads", "inter")):
+            expect(not _close64(a, _fold_query_ref(wq, bq, w_uk, h, *splits)[0]),
+                   f"{case}: the heads are interleaved: you took rows h, h + n_heads, h + 2 n_heads, ... as head h. "
+                   "split_heads gives head h the contiguous rows h*head_dim:(h+1)*head_dim of W^q, b and W^UK")
+        expect(not a_ok, f"{case}: A is right but c is not: c_h = W^UK_h^T b_h, the head's bias through W^UK_h")
+        raise Wrong(f"{case}: the scores (A_h x + c_h) . c_t differ from (W^q_h x + b_h) . (W^UK_h c_t) (max abs "
+                    f"difference {(got - expected).abs().max().item():.3g}); A_h = W^UK_h^T W^q_h with "
+                    "W^q_h = q_weight.view(n_heads, head_dim, d_model)[h], W^UK_h = w_uk.view(n_heads, head_dim, d_c)[h]")
 
 
 # ---------------------------------------------------------------- 07.3
