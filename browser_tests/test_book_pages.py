@@ -21,6 +21,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 import yaml
+
 from conftest import HTML, ROOT
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
