@@ -98,6 +98,10 @@ class LayerCache:
         """Forget every position, keeping the allocated buffers for reuse."""
         self.length = 0
 
+    def truncate(self, length: int) -> None:
+        """Forget every position from ``length`` on (speculative decoding's rejected drafts)."""
+        self.length = min(self.length, length)
+
     def reorder(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` (beam search: follow each surviving beam's parent)."""
         for name, buffer in self.buffers.items():
@@ -134,6 +138,15 @@ class RingLayerCache(LayerCache):
         super().__init__(max_len)
         positive_int("window", window)
         self.window = window
+
+    def truncate(self, length: int) -> None:
+        """Refused: positions the ring has overwritten cannot come back.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError(f"{type(self).__name__} keeps only the last window={self.window} positions; "
+                         "it cannot be truncated")
 
     def kept(self) -> int:
         """Positions of the past held now: ``min(length, window)``."""
@@ -180,6 +193,7 @@ class SinkLayerCache(LayerCache):
     """
 
     renumbers = True
+    truncate = RingLayerCache.truncate  # the evicted positions cannot come back either
 
     def __init__(self, max_len: int, window: int, n_sink: int = 4) -> None:
         super().__init__(max_len)
@@ -287,6 +301,11 @@ class KVCache:
         """Forget every position in every layer, keeping the buffers."""
         for layer in self.layers:
             layer.reset()
+
+    def truncate(self, length: int) -> None:
+        """Forget every position from ``length`` on in every layer (see :meth:`LayerCache.truncate`)."""
+        for layer in self.layers:
+            layer.truncate(length)
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` in every layer."""

@@ -179,7 +179,7 @@ class GPT(nn.Module):
         if attention_mask is not None:
             check_attention_mask(attention_mask, (B, start + T), idx.device)
             positions = mask_positions(attention_mask)[:, -T:]  # (B, T): each row from its first real token
-        x = self.embed(idx, start) if positions is None else self.embed_at(idx, positions)
+        x = self.embed(idx, start, positions)
         for i, block in enumerate(self.blocks):
             layer_cache = None if cache is None else cache.layers[i]
             x = block(x, layer_cache, key_padding_mask=attention_mask, positions=positions)
@@ -208,18 +208,14 @@ class GPT(nn.Module):
         """
         return sum(block.attn.cache_bytes_per_token(dtype) for block in self.blocks)
 
-    def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Token + position embeddings (then dropout) of ``idx`` ``(B, T)`` at positions
-        ``start, …, start + T - 1``: ``(B, T, d_model)``. ``idx`` is not checked here."""
-        pos = torch.arange(start, start + idx.shape[1], device=idx.device)  # (T,)
-        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, d_model) + (T, d_model) -> (B, T, d_model)
+    def embed(self, idx: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token + position embeddings (then dropout) of ``idx`` ``(B, T)``: ``(B, T, d_model)``.
 
-    def embed_at(self, idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Token embeddings plus the learned position table (when the model has one, ``pos_emb``) at
-        per-row ``positions`` ``(B, T)``, then dropout: ``(B, T, d_model)``. Chapter 19 (left padding)."""
-        x = self.tok_emb(idx)
-        table = getattr(self, "pos_emb", None)  # a ModernDecoder with RoPE, ALiBi or NoPE has none
-        return self.drop(x if table is None else x + table(positions))  # (B, T, d) + (B, T, d)
+        Positions ``start, …, start + T - 1``, or per-row ``positions`` ``(B, T)`` (left padding,
+        chapter 19). ``idx`` is not checked here.
+        """
+        pos = torch.arange(start, start + idx.shape[1], device=idx.device) if positions is None else positions
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, d) + ((T, d) or (B, T, d))
 
     @torch.no_grad()
     def attention_weights(self, idx: torch.Tensor) -> torch.Tensor:

@@ -191,9 +191,11 @@ class ModernDecoder(GPT):
             n -= sum(e.weight.numel() for e in (self.tok_emb, getattr(self, "pos_emb", None)) if e is not None)
         return n
 
-    def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Token embeddings (+ the learned position table with ``position="learned"``): ``(B, T, d_model)``."""
+    def embed(self, idx: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings (+ the learned position table with ``position="learned"``, at ``start, …`` or at
+        per-row ``positions`` ``(B, T)``): ``(B, T, d_model)``. Other positions enter inside attention."""
         x = self.tok_emb(idx)
         if self.config.position == "learned":
-            x = x + self.pos_emb(torch.arange(start, start + idx.shape[1], device=idx.device))
+            pos = torch.arange(start, start + idx.shape[1], device=idx.device) if positions is None else positions
+            x = x + self.pos_emb(pos)
         return self.drop(x)

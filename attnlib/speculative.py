@@ -58,12 +58,6 @@ def verify_drafts(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, greedy
     return n, torch.multinomial(residual, 1, generator=generator)[:, 0]
 
 
-def _truncate(cache: KVCache, length: int) -> None:
-    """Forget every cached position from ``length`` on (rejected drafts). Full layer caches only."""
-    for layer in cache.layers:
-        layer.length = min(layer.length, length)
-
-
 def _feed(model, cache: KVCache, tokens: torch.Tensor) -> torch.Tensor:
     """Run ``tokens[:, cache.length:]`` through ``model``; their next-token logits ``(n_new, V)``."""
     return model(tokens[:, cache.length:], cache=cache)[0][0]
@@ -133,7 +127,7 @@ def speculative_generate(target, draft, idx: torch.Tensor, max_new_tokens: int, 
             n = int(n[0])
             tokens = torch.cat([seq[:, : start + n], nxt.view(1, 1)], dim=1)
             for cache in caches.values():  # keep only what the accepted tokens put there
-                _truncate(cache, tokens.shape[1] - 1)
+                cache.truncate(tokens.shape[1] - 1)
             stats["rounds"] += 1
             stats["drafted"] += k
             stats["accepted"] += n

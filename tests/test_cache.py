@@ -155,3 +155,18 @@ def test_beam_search_rejects_bad_input():
         beam_search(model, torch.zeros(2, 3, dtype=torch.long), 3)
     with pytest.raises(ValueError, match="beam_width=0"):
         beam_search(model, torch.zeros(1, 3, dtype=torch.long), 3, beam_width=0)
+
+
+def test_truncate_forgets_later_positions_and_window_caches_refuse():
+    from attnlib.cache import RingLayerCache, SinkLayerCache
+
+    cache = KVCache(2, 8)
+    for layer in cache.layers:
+        layer.update(k=torch.arange(5.0).view(1, 5, 1))
+    cache.truncate(3)
+    assert cache.length == 3
+    (k,) = cache.layers[0].update(k=torch.full((1, 1, 1), 9.0))
+    assert k.flatten().tolist() == [0.0, 1.0, 2.0, 9.0]
+    for window_cache in (RingLayerCache(8, 4), SinkLayerCache(8, 4, 1)):
+        with pytest.raises(ValueError, match="cannot be truncated"):
+            window_cache.truncate(2)
