@@ -113,6 +113,40 @@ class LearnedPositionalEmbedding(nn.Module):
         return x + self.weight(positions)  # (T, d_model) broadcast over B
 
 
+def turn(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Turn each half-split pair ``(x1[i], x2[i]) = (x[i], x[i + d/2])`` of ``x (…, d)`` by its angle.
+
+    ``cos (…, d)`` holds each angle's cosine in both halves and ``signed_sin (…, d)`` its sine,
+    negated in the first half (:meth:`RotaryEmbedding.cos_sin`); both broadcast to ``x``.
+    Returns ``(x1 cos - x2 sin, x2 cos + x1 sin)``, a tensor like ``x``: ``x · cos`` plus the
+    halves swapped, ``(x2, x1)``, times ``(-sin, sin)``. This is ``transformers``' ``x · cos +
+    rotate_half(x) · sin`` with the sign of ``rotate_half`` moved into ``sin``, computed once per
+    model step, and its concatenation replaced by one ``torch.roll``: the same bits, faster.
+    """
+    swapped = torch.roll(x, x.shape[-1] // 2, dims=-1)  # (x1, x2) -> (x2, x1)
+    return x * cos + swapped * signed_sin
+
+
+class _Rotation(torch.autograd.Function):
+    """:func:`turn` with its backward written out: a rotation's transpose is its inverse.
+
+    The gradient of ``y = R(θ) x`` is ``R(θ)ᵀ g = R(-θ) g``: the same turn with the sine negated.
+    Autograd would instead go back through each step of :func:`turn`; this is one turn, and it
+    saves only ``cos`` and ``sin``. Both give the same bits: each element of the gradient is
+    ``g1 cos + g2 sin`` or ``g2 cos - g1 sin``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, signed_sin)
+        return turn(x, cos, signed_sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, signed_sin = ctx.saved_tensors
+        return _Rotation.apply(grad, cos, -signed_sin), None, None  # turned back by -θ (differentiable again)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (RoPE, Su et al. 2021, §3.4), applied to queries and keys.
 
@@ -188,27 +222,29 @@ class RotaryEmbedding(nn.Module):
             positions = torch.arange(T, device=x.device)
         if not isinstance(positions, torch.Tensor) or positions.shape[-1] != T:
             raise ValueError(f"positions must be a tensor whose last dimension is T={T}")
-        cos, sin = self.cos_sin(positions.to(x.device), x.dtype)  # (..., T, head_dim) each
-        half = self.head_dim // 2
-        rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # pairs (x1[i], x2[i]) -> (-x2[i], x1[i])
-        return x * cos + rotated_half * sin  # (x1 cos - x2 sin, x1 sin + x2 cos): each pair turned by its angle
+        cos, signed_sin = self.cos_sin(positions.to(x.device), x.dtype)  # (..., T, head_dim) each
+        if cos.requires_grad or signed_sin.requires_grad:  # angles that learn (not RoPE's): autograd's backward
+            return turn(x, cos, signed_sin)
+        return _Rotation.apply(x, cos, signed_sin)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the angles, each repeated for both halves: ``(…, T, head_dim)`` in ``dtype``.
 
-        The last result is kept and reused while the positions stay the same (every layer of a
-        model, every training step): computing them is a large share of a small model's step.
+        The sine is negated in the first half, ``(-sin, sin)``: the sign ``rotate_half`` would put
+        on ``x2`` (:func:`turn`). The last result is kept and reused while the positions stay the
+        same (every layer of a model, every training step): computing them is a large share of a
+        small model's step.
         """
         key = (positions.shape, positions.device, dtype, torch.is_inference_mode_enabled())
         memo = getattr(self, "_cos_sin", None)
         if memo is not None and memo[0] == key and torch.equal(memo[1], positions):
             return memo[2], memo[3]
         angle = self.angles(positions)  # (..., T, hd/2)
-        angle = torch.cat([angle, angle], dim=-1)  # (..., T, hd): pair i's angle at i and i + hd/2
         cos = (angle.cos() * self.attention_factor).to(dtype)  # attention_factor: 1 except for YaRN
         sin = (angle.sin() * self.attention_factor).to(dtype)
-        self._cos_sin = (key, positions.clone(), cos, sin)
-        return cos, sin
+        cos, signed_sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # pair i at i and i + hd/2
+        self._cos_sin = (key, positions.clone(), cos, signed_sin)
+        return cos, signed_sin
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Same as :meth:`rotate`."""

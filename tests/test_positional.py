@@ -110,3 +110,51 @@ def test_rope_does_not_shadow_module_apply():
 def test_rope_base_must_be_a_finite_number_above_one(base, error, message):
     with pytest.raises(error, match=re.escape(message)):
         RotaryEmbedding(8, base=base)
+
+
+def _rope_reference(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """RoPE as complex multiplication (RoFormer eq. 34), pairs (x[i], x[i + d/2]) as z = x1 + i x2."""
+    half = x.shape[-1] // 2
+    theta = base ** (-torch.arange(half, dtype=torch.float64) * 2 / x.shape[-1])
+    turn = torch.polar(torch.ones_like(theta), positions.double()[..., None] * theta)  # e^{i m θ}
+    z = torch.complex(x[..., :half].double(), x[..., half:].double()) * turn
+    return torch.cat([z.real, z.imag], dim=-1)
+
+
+@pytest.mark.parametrize("positions", [torch.arange(6), torch.tensor([[3, 4, 5, 9, 10, 11], [0, 1, 2, 3, 4, 5]])[:, None]],
+                         ids=["shared", "per-row"])
+def test_rope_gradient_is_the_inverse_rotation(positions):
+    """The written-out backward: d(R x)/dx applied to g is R(-θ) g, against a complex-number reference."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 6, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    upstream = torch.randn(2, 3, 6, 8, dtype=torch.float64, generator=g)
+    rope = RotaryEmbedding(8)
+    y = rope.rotate(x, positions)
+    (grad,) = torch.autograd.grad(y, x, upstream)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y_ref = _rope_reference(x_ref, positions)
+    (grad_ref,) = torch.autograd.grad(y_ref, x_ref, upstream)
+    # the angles m·θ are float32, as in transformers: ~1e-7 of the angle, whatever x's dtype
+    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, grad_ref, rtol=1e-6, atol=1e-6)
+    # R(θ) is orthogonal, so the gradient is the upstream gradient turned back: same length per pair
+    torch.testing.assert_close(grad.norm(dim=-1), upstream.norm(dim=-1))
+
+
+def test_rope_backward_gives_autograds_bits_and_second_derivatives():
+    """float32: the same bits as autograd through x·cos + rotate_half(x)·sin; gradgradcheck in float64."""
+    rope = RotaryEmbedding(16)
+    x = torch.randn(4, 2, 7, 16, requires_grad=True)
+    upstream = torch.randn(4, 2, 7, 16)
+    positions = torch.arange(5, 12)
+    angle = positions.float()[:, None] * rope.inv_freq
+    cos, sin = torch.cat([angle.cos(), angle.cos()], -1), torch.cat([angle.sin(), angle.sin()], -1)
+    rotate_half = torch.cat([-x[..., 8:], x[..., :8]], dim=-1)
+    y_autograd = x * cos + rotate_half * sin  # transformers' apply_rotary_pos_emb
+    y = rope.rotate(x, positions)
+    assert torch.equal(y, y_autograd)
+    assert torch.equal(torch.autograd.grad(y, x, upstream)[0], torch.autograd.grad(y_autograd, x, upstream)[0])
+    x64 = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    rope8 = RotaryEmbedding(8)
+    assert torch.autograd.gradcheck(lambda t: rope8.rotate(t, torch.arange(2, 5)), (x64,))
+    assert torch.autograd.gradgradcheck(lambda t: rope8.rotate(t, torch.arange(2, 5)), (x64,))

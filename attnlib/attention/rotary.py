@@ -89,7 +89,6 @@ class RotaryAttention(MultiHeadAttention):
         if self.q_norm is not None:  # per head, over head_dim (Qwen3: before RoPE)
             q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        v = v.contiguous()
         if self.rope is None:  # no rotation (ALiBi or no position information): as MultiHeadAttention
             q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
             return q, *(cache.update(k=k, v=v) if cache is not None else (k, v))
