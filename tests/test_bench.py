@@ -196,8 +196,9 @@ def test_train_rows_with_the_modern_decoder():
     assert modern.tie_embeddings and not modern.bias
     assert row["modern_parameters"] == ModernDecoder(modern).num_parameters()
     assert _positive(row["modern_ms"]) and row["modern_ratio"] == pytest.approx(row["modern_ms"] / row["attnlib_ms"])
+    assert _positive(row["nope_ms"]) and row["nope_ratio"] == pytest.approx(row["nope_ms"] / row["attnlib_ms"])
     text = format_train(rows)
-    assert "ModernDecoder" in text and "target <= 1.05" in text
+    assert "ModernDecoder" in text and "target <= 1.05" in text and "ratio without RoPE" in text
     assert "modern_ms" not in train_rows({"a": (config, 2)}, device="cpu", repeats=1, warmup=0, threads=1)[0]
 
 

@@ -18,7 +18,8 @@ The ratio is attnlib's time over torch's: below 1 means attnlib's GPT trains fas
 With ``modern=True`` (chapter 16) each row also times :class:`attnlib.ModernDecoder` at the
 same width, depth, heads, vocabulary and batch (:func:`modern_config`: RoPE, RMSNorm, SwiGLU of
 ``8/3 · d_model``, tied head, no biases), in the same alternating rounds; ``modern_ratio`` is its
-step time over attnlib's GPT's (issue 14 asks for at most 1.05).
+step time over attnlib's GPT's (issue 14 asks for at most 1.05). The same decoder without RoPE
+(``position="nope"``) is timed beside it, so the table shows what the rotation costs.
 """
 from __future__ import annotations
 
@@ -132,7 +133,8 @@ def train_rows(
         Dicts with ``size, n_layers, n_heads, d_model, block_size, vocab_size, batch,
         parameters`` (attnlib's, tied head counted once), ``torch_parameters``,
         ``attnlib_ms``, ``torch_ms`` and ``ratio`` (attnlib / torch); with ``modern`` also
-        ``modern_parameters``, ``modern_ms`` and ``modern_ratio`` (ModernDecoder / attnlib's GPT).
+        ``modern_parameters``, ``modern_ms`` and ``modern_ratio`` (ModernDecoder / attnlib's GPT),
+        and ``nope_ms``, ``nope_ratio`` for the same decoder without RoPE.
     """
     with using_threads(threads):
         return _train_rows(TRAIN_SIZES if sizes is None else sizes, device, dtype, repeats, warmup, seed, modern)
@@ -153,10 +155,15 @@ def _train_rows(sizes, device, dtype, repeats, warmup, seed, modern=False):
             torch.manual_seed(seed)
             decoder = ModernDecoder(modern_config(config)).to(device, dtype).train()
             steps["modern"] = _step_fn(decoder, idx, targets, 1e-4)
+            torch.manual_seed(seed)
+            unrotated = ModernDecoder(modern_config(config).replace(position="nope")).to(device, dtype).train()
+            steps["nope"] = _step_fn(unrotated, idx, targets, 1e-4)
         seconds = time_calls(steps, repeats=repeats, warmup=warmup)
         extra = {} if not modern else dict(modern_parameters=decoder.num_parameters(),
                                            modern_ms=1e3 * seconds["modern"],
-                                           modern_ratio=seconds["modern"] / seconds["attnlib"])
+                                           modern_ratio=seconds["modern"] / seconds["attnlib"],
+                                           nope_ms=1e3 * seconds["nope"],
+                                           nope_ratio=seconds["nope"] / seconds["attnlib"])
         rows.append(
             dict(
                 size=name,
@@ -192,6 +199,7 @@ MODERN_COLUMNS = [
     ("attnlib_ms", "GPT ms", ".1f"),
     ("modern_ms", "ModernDecoder ms", ".1f"),
     ("modern_ratio", "ratio", ".3f"),
+    ("nope_ratio", "ratio without RoPE", ".3f"),
 ]
 
 
@@ -212,7 +220,8 @@ def format_train(rows: list[dict], settings: dict | None = None) -> str:
     parts.append(f"\nattnlib's GPT at {worst['ratio']:.3f}x the TransformerEncoderLayer GPT at worst ({worst['size']}).")
     if all("modern_ms" in row for row in rows):
         parts.append("\nModernDecoder (RoPE, RMSNorm, SwiGLU 8/3 d_model, tied head, no biases) at the same "
-                     "width, depth, heads and batch; ratio = ModernDecoder / attnlib's GPT (target <= 1.05).")
+                     "width, depth, heads and batch; ratio = ModernDecoder / attnlib's GPT (target <= 1.05); "
+                     "without RoPE: the same decoder with position='nope', over attnlib's GPT.")
         parts.append(format_table(rows, MODERN_COLUMNS))
         worst = max(rows, key=lambda r: r["modern_ratio"])
         parts.append(f"\nModernDecoder at {worst['modern_ratio']:.3f}x attnlib's GPT at worst ({worst['size']}).")
