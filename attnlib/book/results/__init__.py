@@ -2,7 +2,8 @@
 
 * ``compare_attention.json``: chapter 13's run of ``python -m attnlib.book.experiments.compare_attention``
   (every variant, several seeds);
-* ``bench_<name>.json``: full-size runs of ``python -m attnlib.bench <name> --out FILE`` (chapters 15-19);
+* ``bench_<name>.json``: full-size runs of ``python -m attnlib.bench <name> --out FILE`` (chapters 15-19;
+  ``bench_modern.json`` is ``train --modern``, chapter 16);
 * ``long_context.json``, ``beyond_softmax.json``, ``speculative.json``: the experiments of chapters 17,
   18 and 19 (``python -m attnlib.book.experiments.<name>``).
 
