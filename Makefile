@@ -87,6 +87,10 @@ gpu: venv
 	$(BIN)/python -m attnlib.bench kv-cache --device cuda --out bench-gpu/kv_cache.json
 	$(BIN)/python -m attnlib.bench memory --device cuda --out bench-gpu/memory.json
 	$(BIN)/python -m attnlib.bench train --device cuda --out bench-gpu/train.json
+	$(BIN)/python -m attnlib.bench train --modern --device cuda --out bench-gpu/modern.json
+	$(BIN)/python -m attnlib.bench flash --device cuda --out bench-gpu/flash.json
+	$(BIN)/python -m attnlib.bench long-context --device cuda --out bench-gpu/long_context.json
+	$(BIN)/python -m attnlib.bench serving --device cuda --out bench-gpu/serving.json
 
 clean:
 	rm -rf _build
