@@ -72,9 +72,37 @@ def _not_rounded_to_multiple(d, m, mult=None):
     return int((mult or 1.0) * int(8 * d / 3))
 
 
+def _ceil_first(d, m, mult=None):
+    hidden = math.ceil(8 * d / 3)
+    if mult is not None:
+        hidden = int(mult * hidden)
+    return m * math.ceil(hidden / m)
+
+
+def _ceil_second(d, m, mult=None):
+    hidden = int(8 * d / 3)
+    if mult is not None:
+        hidden = math.ceil(mult * hidden)
+    return m * math.ceil(hidden / m)
+
+
+def _multiplier_first(d, m, mult=None):
+    hidden = int(2 * int((mult or 1.0) * 4 * d) / 3)
+    return m * math.ceil(hidden / m)
+
+
+def _one_more_multiple(d, m, mult=None):
+    hidden = int(int(8 * d / 3) * (mult or 1.0))
+    return m * (hidden // m + 1)
+
+
 @pytest.mark.parametrize(
     ("answer", "phrase"),
     [
+        (_ceil_first, "you rounded 2/3 * 4 * d_model up"),
+        (_ceil_second, "times ffn_dim_multiplier up"),
+        (_multiplier_first, "before taking 2/3 of it"),
+        (_one_more_multiple, "rounding up leaves a multiple unchanged"),
         (_four_d, "SwiGLU has three matrices"),
         (_round_down, "rounds up, to the next multiple"),
         (_no_multiplier, "you ignored ffn_dim_multiplier"),
@@ -158,9 +186,33 @@ def _unchanged(w_q, w_k, q_gain, k_gain, n_heads, n_kv_heads):
     return w_q.clone(), w_k.clone(), q_gain.clone(), k_gain.clone()
 
 
+def _gains_forward(w_q, w_k, q_gain, k_gain, n_heads, n_kv_heads):
+    w_q, w_k, _, _ = to_interleaved(w_q, w_k, q_gain, k_gain, n_heads, n_kv_heads)
+    P = _order(q_gain.shape[0])
+    return w_q, w_k, q_gain[P], k_gain[P]
+
+
+def _gains_swapped(w_q, w_k, q_gain, k_gain, n_heads, n_kv_heads):
+    w_q, w_k, q_g, k_g = to_interleaved(w_q, w_k, q_gain, k_gain, n_heads, n_kv_heads)
+    return w_q, w_k, k_g, q_g
+
+
+def _keys_untouched(w_q, w_k, q_gain, k_gain, n_heads, n_kv_heads):
+    w_q, _, q_g, k_g = to_interleaved(w_q, w_k, q_gain, k_gain, n_heads, n_kv_heads)
+    return w_q, w_k.clone(), q_g, k_g
+
+
+def _float32(w_q, w_k, q_gain, k_gain, n_heads, n_kv_heads):
+    return tuple(t.float() for t in to_interleaved(w_q, w_k, q_gain, k_gain, n_heads, n_kv_heads))
+
+
 @pytest.mark.parametrize(
     ("answer", "phrase"),
     [
+        (_gains_forward, "w_q and w_k are right, the gains are not"),
+        (_gains_swapped, "w_q and w_k are right, the gains are not"),
+        (_keys_untouched, "w_k not"),
+        (_float32, "is torch.float32, the input was torch.float64"),
         (_forward_perm, "needs its inverse, torch.argsort(P)"),
         (_gains_kept, "the QK-norm gains"),
         (_keys_with_n_heads, "W_k has n_kv_heads=2 heads"),
@@ -222,9 +274,59 @@ def _mutates(config):
     return count_parameters(config)
 
 
+def _head_width(config):
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def _qk_norm_per_head(config):
+    n = count_parameters(config)
+    if config["model_type"] == "qwen3":
+        extra = config["num_attention_heads"] + config["num_key_value_heads"] - 2
+        n += config["num_hidden_layers"] * extra * _head_width(config)
+    return n
+
+
+def _qk_norm_of_width_d(config):
+    n = count_parameters(config)
+    if config["model_type"] == "qwen3":
+        n += config["num_hidden_layers"] * 2 * (config["hidden_size"] - _head_width(config))
+    return n
+
+
+def _out_proj_with_kv_heads(config):
+    shared = config["num_attention_heads"] - config["num_key_value_heads"]
+    return count_parameters(config) - (config["num_hidden_layers"] * config["hidden_size"] * shared
+                                       * _head_width(config))
+
+
+def _keys_and_values_one_matrix(config):
+    kv = config["num_key_value_heads"] * _head_width(config)
+    return count_parameters(config) - config["num_hidden_layers"] * config["hidden_size"] * kv
+
+
+def _qkv_biases(config):
+    width = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * _head_width(config)
+    return count_parameters(config) + config["num_hidden_layers"] * width
+
+
+def _one_norm_per_layer(config):
+    return count_parameters(config) - config["num_hidden_layers"] * config["hidden_size"]
+
+
+def _always_tied(config):
+    return count_parameters(dict(config, tie_word_embeddings=True))
+
+
 @pytest.mark.parametrize(
     ("answer", "phrase"),
     [
+        (_qk_norm_per_head, "shared by all the heads of a layer"),
+        (_qk_norm_of_width_d, "the QK-norm gains have head_dim numbers"),
+        (_out_proj_with_kv_heads, "W_O takes all num_attention_heads heads"),
+        (_keys_and_values_one_matrix, "keys and values are two matrices"),
+        (_qkv_biases, "no biases"),
+        (_one_norm_per_layer, "you counted one"),
+        (_always_tied, "the head is not tied here"),
         (_tied_twice, "count it once"),
         (_no_head_dim, "the head width is head_dim"),
         (_mha, "(GQA), not num_attention_heads"),
