@@ -113,6 +113,13 @@ class LearnedPositionalEmbedding(nn.Module):
         return x + self.weight(positions)  # (T, d_model) broadcast over B
 
 
+def _real_positions(positions: object) -> None:
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"positions must be a torch.Tensor of integer or float positions; got {type(positions).__name__}")
+    if positions.dtype == torch.bool or positions.is_complex():
+        raise TypeError(f"positions must hold integer or float positions; got dtype {positions.dtype}")
+
+
 def turn(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Turn each half-split pair ``(x1[i], x2[i]) = (x[i], x[i + d/2])`` of ``x (…, d)`` by its angle.
 
@@ -186,18 +193,27 @@ class RotaryEmbedding(nn.Module):
             raise TypeError(f"base must be a float; got {base!r} ({type(base).__name__})")
         if not math.isfinite(base) or base <= 1:
             raise ValueError(f"base={base!r} must be a finite number > 1")
-        self.head_dim, self.base = head_dim, float(base)
+        inv_freq, attention_factor = rope_frequencies(head_dim, base, rope_scaling, max_position_embeddings)
+        self.head_dim, self.base, self.attention_factor = head_dim, float(base), attention_factor
         self.rope_scaling = None if rope_scaling is None else dict(rope_scaling)
         self.max_position_embeddings = max_position_embeddings
-        inv_freq, self.attention_factor = rope_frequencies(head_dim, base, rope_scaling, max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (head_dim/2,)
 
     def angles(self, positions: torch.Tensor) -> torch.Tensor:
-        """Rotation angles ``(…, T, head_dim / 2)`` for integer or float ``positions`` of shape ``(…, T)``."""
+        """Rotation angles ``(…, T, head_dim / 2)`` for integer or float ``positions`` of shape ``(…, T)``.
+
+        Raises:
+            TypeError: ``positions`` not a tensor of a real (integer or floating) dtype.
+            ValueError: float ``positions`` holding nan or inf.
+        """
+        _real_positions(positions)
+        on_meta = positions.device.type == "meta"
+        if positions.is_floating_point() and not on_meta and not torch.isfinite(positions).all():
+            raise ValueError("positions hold nan or inf; expected finite positions")
         inv_freq = self.inv_freq
         kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type"))
-        if kind == "dynamic" and positions.numel():  # the base grows with the longest sequence seen in this call
-            seq_len = int(positions.max()) + 1
+        if kind == "dynamic" and positions.numel() and not on_meta:  # the base grows with the longest sequence seen
+            seq_len = max(int(positions.max()) + 1, 1)  # (no growth for negative positions)
             inv_freq = rope_frequencies(self.head_dim, self.base, self.rope_scaling, self.max_position_embeddings,
                                         seq_len=seq_len)[0].to(inv_freq.device)
         return positions.to(torch.float32)[..., None] * inv_freq  # (..., T, 1) * (hd/2,) -> (..., T, hd/2)
@@ -214,14 +230,26 @@ class RotaryEmbedding(nn.Module):
             a tensor like ``x``.
 
         Raises:
-            TypeError / ValueError: ``x`` not float, last dimension not ``head_dim``, positions of the wrong length.
+            TypeError: ``x`` not float; ``positions`` not a tensor, or of a bool or complex dtype.
+            ValueError: last dimension not ``head_dim``; positions of the wrong length, 0-d, not broadcastable
+                to ``x.shape[:-1]``, holding nan/inf, or on the meta device while ``x`` is not; ``x`` on another
+                device than the module's buffers.
         """
         float_input(x, self.head_dim)
         T = x.shape[-2]
+        if x.device != self.inv_freq.device:
+            raise ValueError(f"x is on {x.device} but this RotaryEmbedding is on {self.inv_freq.device}; "
+                             "move one of them (module.to(device))")
         if positions is None:
             positions = torch.arange(T, device=x.device)
-        if not isinstance(positions, torch.Tensor) or positions.shape[-1] != T:
-            raise ValueError(f"positions must be a tensor whose last dimension is T={T}")
+        _real_positions(positions)
+        if positions.dim() == 0 or positions.shape[-1] != T:
+            raise ValueError(f"positions must be a tensor whose last dimension is T={T}; got shape {tuple(positions.shape)}")
+        if len(positions.shape) > x.dim() - 1 or any(p not in (1, n) for p, n in zip(positions.shape[::-1], x.shape[-2::-1])):
+            raise ValueError(f"positions of shape {tuple(positions.shape)} do not broadcast to x's "
+                             f"{tuple(x.shape[:-1])} (x without head_dim)")
+        if positions.device.type == "meta" and x.device.type != "meta":
+            raise ValueError(f"positions are on the meta device (no values) but x is on {x.device}")
         cos, signed_sin = self.cos_sin(positions.to(x.device), x.dtype)  # (..., T, head_dim) each
         if cos.requires_grad or signed_sin.requires_grad:  # angles that learn (not RoPE's): autograd's backward
             return turn(x, cos, signed_sin)

@@ -57,12 +57,14 @@ def _checked_scaling(rope_scaling: Mapping, base: float) -> tuple[str, dict]:
         raise TypeError(f"rope_scaling must be a dict or None, got {type(rope_scaling).__name__}")
     fields = dict(rope_scaling)
     kind = fields.pop("rope_type", None) or fields.pop("type", None)
-    fields.pop("type", None)
-    if kind not in ROPE_TYPES:
+    legacy = fields.pop("type", None)
+    if legacy is not None and legacy != kind:  # transformers would silently take rope_type
+        raise ValueError(f"rope_scaling gives rope_type={kind!r} and type={legacy!r}; give one type")
+    if not isinstance(kind, str) or kind not in ROPE_TYPES:
         raise ValueError(f"rope_scaling type {kind!r} is not supported; expected one of {sorted(ROPE_TYPES)} "
                          "(as 'rope_type' or 'type')")
     theta = fields.pop("rope_theta", None)
-    if theta is not None and float(theta) != base:
+    if theta is not None and _number("rope_theta", theta) != base:
         raise ValueError(f"rope_scaling['rope_theta']={theta!r} disagrees with base={base!r}; pass the base once")
     required, optional = ROPE_TYPES[kind]
     missing = [k for k in required if k not in fields]
@@ -81,9 +83,17 @@ def _checked_scaling(rope_scaling: Mapping, base: float) -> tuple[str, dict]:
         if _number("high_freq_factor", fields["high_freq_factor"]) <= low:
             raise ValueError(f"rope_scaling['high_freq_factor']={fields['high_freq_factor']!r} must be greater than "
                              f"low_freq_factor={fields['low_freq_factor']!r}")
-    for name in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+    for name in ("mscale", "mscale_all_dim"):
         if fields.get(name) is not None:
             _number(name, fields[name], at_least=0.0)
+    for name in ("attention_factor", "beta_fast", "beta_slow"):  # 0 would zero cos/sin or divide by 0
+        if fields.get(name) is not None:
+            _number(name, fields[name], above=0.0)
+    if (fields.get("beta_fast") or 32) < (fields.get("beta_slow") or 1):
+        raise ValueError(f"rope_scaling['beta_fast']={fields.get('beta_fast', 32)!r} must be >= "
+                         f"beta_slow={fields.get('beta_slow', 1)!r} (defaults 32 and 1)")
+    if "truncate" in fields and not isinstance(fields["truncate"], bool):
+        raise ValueError(f"rope_scaling['truncate'] must be a bool, got {fields['truncate']!r}")
     return kind, fields
 
 
@@ -109,8 +119,15 @@ def rope_frequencies(head_dim: int, base: float = 10000.0, rope_scaling: Mapping
 
     Raises:
         TypeError / ValueError: ``head_dim`` not a positive even int; ``base`` not a finite number > 1;
-            an unknown type, a missing or unknown field, a factor < 1, ``high_freq_factor <= low_freq_factor``,
-            ``dynamic`` without ``max_position_embeddings``.
+            ``max_position_embeddings`` or ``seq_len`` not a positive int; an unknown type, ``rope_type`` and
+            ``type`` that disagree, a missing or unknown field, a field that is not a finite number, a factor < 1,
+            ``high_freq_factor <= low_freq_factor``, YaRN's ``attention_factor``/``beta_fast``/``beta_slow`` <= 0 or
+            ``beta_fast < beta_slow`` or a ``truncate`` that is not a bool, ``dynamic`` without
+            ``max_position_embeddings`` or with ``head_dim=2``.
+
+    ``original_max_position_embeddings`` may exceed ``max_position_embeddings`` (a model served on a
+    shorter context than it was trained for): ``llama3`` and ``yarn`` do not depend on the latter,
+    as in ``transformers`` (which only warns).
     """
     positive_int("head_dim", head_dim)
     if head_dim % 2:
@@ -119,7 +136,12 @@ def rope_frequencies(head_dim: int, base: float = 10000.0, rope_scaling: Mapping
         raise ValueError(f"base must be a finite number > 1, got {base!r}")
     if max_position_embeddings is not None:
         positive_int("max_position_embeddings", max_position_embeddings)
+    if seq_len is not None:
+        positive_int("seq_len", seq_len)
     kind, f = ("default", {}) if rope_scaling is None else _checked_scaling(rope_scaling, float(base))
+    if kind == "dynamic" and head_dim == 2:
+        raise ValueError("rope_scaling of type 'dynamic' needs head_dim >= 4 (its base grows with the exponent "
+                         "head_dim / (head_dim - 2)); got head_dim=2")
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # 2i / head_dim
     inv_freq = 1.0 / (base ** exponents)  # θ_i, (head_dim/2,)
     if kind == "default":
