@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from attnlib._checks import divisible, positive_int, probability
+from attnlib._checks import divisible, finite_number, positive_int, probability
 from attnlib.attention.functions import get_attention_function
 from attnlib.attention.rotary import RotaryAttention
 from attnlib.feedforward import SwiGLU
@@ -61,7 +62,10 @@ class ModernConfig:
 
     Raises:
         TypeError / ValueError: a size that is not a positive int, ``n_heads`` not divisible by
-            ``n_kv_heads``, a bad RoPE setting, ``dropout`` outside [0, 1); named in the message.
+            ``n_kv_heads``, a bad RoPE setting (``rope_base`` not a finite number > 1, a ``rope_scaling``
+            that :func:`~attnlib.rope.rope_frequencies` refuses, or one given with another ``position``),
+            ``norm_eps`` not a finite number > 0, ``attn_softcap`` not a finite number > 0, ``dropout``
+            outside [0, 1); named in the message. An odd head width is refused only with RoPE.
     """
 
     vocab_size: int = 65
@@ -97,11 +101,25 @@ class ModernConfig:
         for name in ("qk_norm", "tie_embeddings", "bias"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}")
+        if finite_number("norm_eps", self.norm_eps) <= 0:
+            raise ValueError(f"norm_eps={self.norm_eps!r} must be > 0 (it keeps RMSNorm's division away from 0)")
+        if finite_number("rope_base", self.rope_base) <= 1:
+            raise ValueError(f"rope_base={self.rope_base!r} must be a finite number > 1")
         get_attention_function(self.attn_fn)
-        if self.position not in POSITIONS:
+        if not isinstance(self.position, str) or self.position not in POSITIONS:
             raise ValueError(f"position={self.position!r} is not one of {POSITIONS}")
-        self.score_mod()  # checks attn_softcap
-        RotaryEmbedding(self.head_size, self.rope_base, self.rope_scaling, self.block_size)  # checks RoPE's settings
+        if self.attn_softcap is not None:
+            finite_number("attn_softcap", self.attn_softcap)
+            if self.attn_softcap <= 0:
+                raise ValueError(f"attn_softcap must be a finite number > 0, got {self.attn_softcap!r}")
+        if self.rope_scaling is not None:
+            if self.position != "rope":
+                raise ValueError(f"rope_scaling={self.rope_scaling!r} is given but position={self.position!r} "
+                                 "does not use RoPE")
+            if isinstance(self.rope_scaling, Mapping):  # a copy: later edits of the caller's dict cannot reach it
+                object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
+        if self.position == "rope":
+            RotaryEmbedding(self.head_size, self.rope_base, self.rope_scaling, self.block_size)  # checks RoPE's settings
 
     @property
     def kv_heads(self) -> int:
@@ -176,7 +194,8 @@ class ModernDecoder(GPT):
         if config.position == "learned":
             self.pos_emb = nn.Embedding(config.block_size, config.d_model)
         self.drop = nn.Dropout(config.dropout)
-        self.rope = RotaryEmbedding(config.head_size, config.rope_base, config.rope_scaling, config.block_size)
+        self.rope = (RotaryEmbedding(config.head_size, config.rope_base, config.rope_scaling, config.block_size)
+                     if config.position == "rope" else None)  # other positions: none (any head width)
         self.blocks = nn.ModuleList(ModernBlock(config, self.rope) for _ in range(config.n_layers))
         self.ln_f = RMSNorm(config.d_model, config.norm_eps)  # transformers: model.norm
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)

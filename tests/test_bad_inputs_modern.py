@@ -120,3 +120,64 @@ def test_dynamic_rope_refuses_nan_positions_and_keeps_negative_ones_unscaled():
 
 def test_rope_scaling_checked_before_it_is_copied():
     _raises(lambda: RotaryEmbedding(8, rope_scaling="linear"), TypeError, "rope_scaling must be a dict or None, got str")
+
+
+SMALL = {"vocab_size": 50, "block_size": 16, "n_layers": 1, "n_heads": 2, "d_model": 16}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"norm_eps": "1e-6"}, TypeError, "norm_eps must be a number; got '1e-6' (str)"),
+        ({"norm_eps": 0.0}, ValueError, "norm_eps=0.0 must be > 0 (it keeps RMSNorm's division away from 0)"),
+        ({"norm_eps": -1e-5}, ValueError, "norm_eps=-1e-05 must be > 0"),
+        ({"norm_eps": float("nan")}, ValueError, "norm_eps=nan must be a finite number"),
+        ({"rope_base": "1e4"}, TypeError, "rope_base must be a number; got '1e4' (str)"),
+        ({"rope_base": 0.5}, ValueError, "rope_base=0.5 must be a finite number > 1"),
+        ({"attn_softcap": "50"}, TypeError, "attn_softcap must be a number; got '50' (str)"),
+        ({"attn_softcap": -1.0}, ValueError, "attn_softcap must be a finite number > 0, got -1.0"),
+        ({"position": ["rope"]}, ValueError, "position=['rope'] is not one of ('rope', 'alibi', 'learned', 'nope')"),
+        ({"position": "alibi", "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, ValueError,
+         "rope_scaling={'rope_type': 'linear', 'factor': 2.0} is given but position='alibi' does not use RoPE"),
+        ({"rope_scaling": "linear"}, TypeError, "rope_scaling must be a dict or None, got str"),
+        ({"d_model": 14}, ValueError, "head_dim=7 must be even (dimensions are used in pairs)"),
+    ],
+    ids=["eps-str", "eps-zero", "eps-negative", "eps-nan", "base-str", "base-below-1", "softcap-str",
+         "softcap-negative", "position-list", "scaling-without-rope", "scaling-str", "odd-head-with-rope"],
+)
+def test_modern_config_refuses(kwargs, error, message):
+    from attnlib import ModernConfig
+
+    _raises(lambda: ModernConfig(**{**SMALL, **kwargs}), error, message)
+
+
+@pytest.mark.parametrize("position", ["alibi", "learned", "nope"])
+def test_odd_head_width_is_fine_without_rope(position):
+    from attnlib import ModernConfig, ModernDecoder
+
+    torch.manual_seed(0)
+    model = ModernDecoder(ModernConfig(**{**SMALL, "d_model": 14, "position": position})).eval()  # heads of 7
+    assert model.rope is None
+    idx = torch.randint(0, 50, (2, 9))
+    logits = model(idx)[0]
+    assert logits.shape == (2, 9, 50) and torch.isfinite(logits).all()
+    assert torch.equal(model.generate(idx[:, :3], 5, temperature=0.0),
+                       model.generate(idx[:, :3], 5, temperature=0.0, use_cache=False))
+
+
+def test_config_keeps_its_own_rope_scaling():
+    from attnlib import ModernConfig
+
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    config = ModernConfig(**SMALL, rope_scaling=scaling)
+    scaling["factor"] = 0.5  # an edit after checking must not reach the config
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+
+
+def test_meta_model_with_dynamic_rope_gives_shapes():
+    from attnlib import ModernConfig, ModernDecoder
+
+    with torch.device("meta"):
+        model = ModernDecoder(ModernConfig(**SMALL, rope_scaling=DYNAMIC))
+    logits = model(torch.zeros(2, 5, dtype=torch.long, device="meta"))[0]
+    assert logits.device.type == "meta" and logits.shape == (2, 5, 50)
