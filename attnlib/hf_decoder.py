@@ -35,47 +35,101 @@ _BLOCK_KEYS = {  # attnlib name -> transformers name (per layer); qkv is stacked
 _FAMILIES = ("llama", "qwen3", "mistral")
 
 
+def _flag(get, name: str) -> bool:
+    """A boolean field (missing or None: False, every family's default); a str such as "false" is refused."""
+    value = get(name, None)
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be a bool (true/false)")
+    return bool(value)
+
+
+def _int_field(get, name: str, *, optional: bool = False) -> int | None:
+    value = get(name, None)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an int >= 1 (the config's {name})")
+    return value
+
+
+def _qwen3_window(get, n_layers: int) -> int | None:
+    """Qwen3's one window, from ``layer_types`` as ``transformers`` builds them (layers from ``max_window_layers`` on
+    slide when ``use_sliding_window``); a mix of sliding and full layers is refused."""
+    window = get("sliding_window", None) if _flag(get, "use_sliding_window") else None
+    types = get("layer_types", None)
+    if types is None:
+        first = get("max_window_layers", 28)
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n_layers)]
+    types = list(types)
+    if len(types) != n_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"cannot reproduce layer_types={types!r}: expected {n_layers} of 'full_attention' / "
+                         "'sliding_attention'")
+    if len(set(types)) > 1 and window is not None:
+        raise ValueError(f"cannot reproduce layer_types={types!r}: sliding windows on only some layers are not reproduced")
+    return window if "sliding_attention" in types else None
+
+
 def config_from_hf_decoder(hf_config, family: str) -> ModernConfig:
     """The :class:`ModernConfig` of a ``transformers`` Llama / Qwen3 / Mistral config.
 
+    Args:
+        hf_config: a ``transformers`` config (``LlamaConfig``, ...) or its dict (``config.json``, either the
+            ``rope_parameters`` of transformers 5 or the older ``rope_scaling`` + ``rope_theta``).
+        family: ``"llama"``, ``"qwen3"`` or ``"mistral"``.
+
     Raises:
+        TypeError: ``hf_config`` neither a mapping nor a config object.
         ValueError: a setting attnlib cannot reproduce (another activation, MLP biases, a RoPE
             type or field :func:`~attnlib.positional.rope_frequencies` does not know, partial rotary,
-            tensor-parallel pretraining, sliding windows on only some layers), named.
+            tensor-parallel pretraining, sliding windows on only some layers), a size that is missing or not an
+            int >= 1, a flag that is not a bool, a ``rms_norm_eps`` or ``rope_theta`` that is not a number; named.
     """
     if family not in _FAMILIES:
         raise ValueError(f"family must be one of {_FAMILIES}; got {family!r}")
+    if hf_config is None or isinstance(hf_config, (str, bytes, int, float, list, tuple)):
+        raise TypeError(f"hf_config must be a transformers config or its dict; got {type(hf_config).__name__}")
     get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
     model_type = get("model_type")
     if model_type is not None and model_type != family:
         raise ValueError(f"this is a {model_type!r} config; from_hf_{family} loads {family!r} models")
+    sizes = {name: _int_field(get, name) for name in ("vocab_size", "max_position_embeddings", "num_hidden_layers",
+                                                      "num_attention_heads", "hidden_size", "intermediate_size")}
+    n_kv_heads, head_dim = _int_field(get, "num_key_value_heads", optional=True), _int_field(get, "head_dim", optional=True)
+    eps = get("rms_norm_eps", None)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+        raise ValueError(f"rms_norm_eps={eps!r} must be a finite number > 0")
     refused = {
         "hidden_act": (get("hidden_act", "silu") != "silu", "only SiLU (SwiGLU) is reproduced"),
-        "mlp_bias": (bool(get("mlp_bias", False)), "MLP biases are not reproduced"),
+        "mlp_bias": (_flag(get, "mlp_bias"), "MLP biases are not reproduced"),
         "pretraining_tp": ((get("pretraining_tp", 1) or 1) != 1, "tensor-parallel slicing is not reproduced"),
+        "partial_rotary_factor": (get("partial_rotary_factor", None) not in (None, 1, 1.0),
+                                  "partial rotary (RoPE on part of each head) is not reproduced"),
     }
-    rope = dict(get("rope_parameters", None) or get("rope_scaling", None) or {})
+    rope = get("rope_parameters", None) or get("rope_scaling", None) or {}
+    if not isinstance(rope, Mapping):
+        raise ValueError(f"rope_parameters / rope_scaling must be a dict or None; got {rope!r}")
+    rope = dict(rope)
     theta = rope.pop("rope_theta", get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ValueError(f"rope_theta={theta!r} must be a number")
     kind = rope.get("rope_type", rope.get("type", "default"))
-    refused["rope_parameters"] = (kind not in ROPE_TYPES or "partial_rotary_factor" in rope,
+    refused["rope_parameters"] = (not isinstance(kind, str) or kind not in ROPE_TYPES or "partial_rotary_factor" in rope,
                                   f"RoPE type {kind!r} / fields {sorted(rope)} (attnlib reproduces {sorted(ROPE_TYPES)})")
-    window = get("sliding_window", None)
-    layer_types = set(get("layer_types", None) or [])
-    if family == "qwen3":
-        window = window if get("use_sliding_window", False) else None
-        refused["layer_types"] = ("sliding_attention" in layer_types and "full_attention" in layer_types,
-                                  "sliding windows on only some layers are not reproduced")
     for name, (bad, why) in refused.items():
         if bad:
             raise ValueError(f"cannot reproduce {name}={get(name)!r}: {why}")
+    if family == "qwen3":
+        window = _qwen3_window(get, sizes["num_hidden_layers"])
+    else:  # Mistral: one window for every layer (transformers ignores layer_types there); Llama: none
+        window = get("sliding_window", None) if family == "mistral" else None
     return ModernConfig(
-        vocab_size=get("vocab_size"), block_size=get("max_position_embeddings"), n_layers=get("num_hidden_layers"),
-        n_heads=get("num_attention_heads"), d_model=get("hidden_size"),
-        n_kv_heads=get("num_key_value_heads", None) or get("num_attention_heads"),
-        head_dim=get("head_dim", None) or get("hidden_size") // get("num_attention_heads"),
-        d_ff=get("intermediate_size"), rope_base=float(theta), rope_scaling=None if kind == "default" else rope,
-        norm_eps=float(get("rms_norm_eps")), qk_norm=family == "qwen3", tie_embeddings=bool(get("tie_word_embeddings")),
-        bias=bool(get("attention_bias", False)), sliding_window=window,
+        vocab_size=sizes["vocab_size"], block_size=sizes["max_position_embeddings"],
+        n_layers=sizes["num_hidden_layers"], n_heads=sizes["num_attention_heads"], d_model=sizes["hidden_size"],
+        n_kv_heads=n_kv_heads or sizes["num_attention_heads"],
+        head_dim=head_dim or sizes["hidden_size"] // sizes["num_attention_heads"],
+        d_ff=sizes["intermediate_size"], rope_base=float(theta), rope_scaling=None if kind == "default" else rope,
+        norm_eps=float(eps), qk_norm=family == "qwen3", tie_embeddings=_flag(get, "tie_word_embeddings"),
+        bias=_flag(get, "attention_bias"), sliding_window=window,
     )
 
 
@@ -89,25 +143,38 @@ def _load(model_or_state_dict, config, family: str) -> ModernDecoder:
         state = dict(model_or_state_dict)
     else:
         raise TypeError(f"expected a transformers model or a state dict; got {type(model_or_state_dict).__name__}")
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"the state dict's {key!r} is a {type(value).__name__}; expected a torch.Tensor")
+        if value.device.type == "meta":
+            raise ValueError(f"the state dict's {key!r} is on the meta device (no values): load the weights first")
     ours = ModernDecoder(config_from_hf_decoder(config, family))
     c = ours.config
+    own = ours.state_dict()
     wanted = {"tok_emb.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight"}
     if not c.tie_embeddings:
         wanted["lm_head.weight"] = "lm_head.weight"
+    absent, present = {}, set()  # fused qkv name -> the q/k/v names it lacks; the q/k/v names left unstacked
+    rows = {"q": c.n_heads * c.head_size, "k": c.kv_heads * c.head_size, "v": c.kv_heads * c.head_size}
     for i in range(c.n_layers):
         for mine, theirs in _BLOCK_KEYS.items():
             wanted[f"blocks.{i}.{mine}"] = f"model.layers.{i}.{theirs}"
         p = f"model.layers.{i}.self_attn."
         for suffix in ("weight", "bias"):
-            parts = [f"{p}{x}_proj.{suffix}" for x in "qkv"]
-            if all(k in state for k in parts):
-                state[f"{p}qkv.{suffix}"] = torch.cat([state.pop(k) for k in parts])  # rows [W_q; W_k; W_v]
-            wanted[f"blocks.{i}.attn.qkv.{suffix}"] = f"{p}qkv.{suffix}"
-    own = ours.state_dict()
+            parts = {x: f"{p}{x}_proj.{suffix}" for x in "qkv"}
+            mine = f"blocks.{i}.attn.qkv.{suffix}"
+            if mine in own and all(k in state for k in parts.values()):
+                for x, k in parts.items():  # each part's shape, named, before stacking
+                    if state[k].shape != (rows[x], *own[mine].shape[1:]):
+                        raise ValueError(f"{k} has shape {tuple(state[k].shape)}; expected {(rows[x], *own[mine].shape[1:])}")
+                state[f"{p}qkv.{suffix}"] = torch.cat([state.pop(k) for k in parts.values()])  # rows [W_q; W_k; W_v]
+            absent[f"{p}qkv.{suffix}"] = [k for k in parts.values() if k not in state]
+            present |= {k for k in parts.values() if k in state and mine in own}  # the rest of an incomplete q/k/v
+            wanted[mine] = f"{p}qkv.{suffix}"
     wanted = {mine: theirs for mine, theirs in wanted.items() if mine in own}
-    missing = sorted(theirs for theirs in wanted.values() if theirs not in state)
+    missing = sorted(k for theirs in wanted.values() if theirs not in state for k in absent.get(theirs, [theirs]))
     ignored = {"lm_head.weight"} if c.tie_embeddings else set()
-    unused = sorted(set(state) - set(wanted.values()) - ignored - {k for k in state if k.endswith("rotary_emb.inv_freq")})
+    unused = sorted(set(state) - set(wanted.values()) - ignored - present - {k for k in state if k.endswith("rotary_emb.inv_freq")})
     if missing or unused:
         raise ValueError(f"the weights do not match a {family} model of this config: missing {missing[:5]}, "
                          f"unexpected {unused[:5]}")
@@ -116,7 +183,7 @@ def _load(model_or_state_dict, config, family: str) -> ModernDecoder:
             if own[mine].shape != state[theirs].shape:
                 raise ValueError(f"{theirs} has shape {tuple(state[theirs].shape)}; expected {tuple(own[mine].shape)}")
             own[mine].copy_(state[theirs])
-    return ours.to(next(iter(state.values())).dtype)
+    return ours.to(state["model.embed_tokens.weight"].dtype)  # the weights' dtype (not a stray float32 buffer's)
 
 
 def from_hf_llama(model_or_state_dict, config=None) -> ModernDecoder:
@@ -130,8 +197,9 @@ def from_hf_llama(model_or_state_dict, config=None) -> ModernDecoder:
         a model in the weights' dtype whose ``forward(idx)`` gives the same logits (1e-5 in float32).
 
     Raises:
-        TypeError: neither a model nor a mapping. ValueError: a setting attnlib cannot reproduce
-            (:func:`config_from_hf_decoder`), missing or unexpected weights, a shape mismatch.
+        TypeError: neither a model nor a mapping; a state dict value that is not a tensor.
+        ValueError: a setting attnlib cannot reproduce (:func:`config_from_hf_decoder`), missing or unexpected
+            weights (``q_proj``/``k_proj``/``v_proj`` named one by one), a shape mismatch, weights on the meta device.
     """
     return _load(model_or_state_dict, config, "llama")
 

@@ -181,3 +181,143 @@ def test_meta_model_with_dynamic_rope_gives_shapes():
         model = ModernDecoder(ModernConfig(**SMALL, rope_scaling=DYNAMIC))
     logits = model(torch.zeros(2, 5, dtype=torch.long, device="meta"))[0]
     assert logits.device.type == "meta" and logits.shape == (2, 5, 50)
+
+
+HF_SIZES = {"vocab_size": 97, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32, "rms_norm_eps": 1e-5}
+
+
+def _llama_dict(**changes):
+    from transformers import LlamaConfig
+
+    return {**LlamaConfig(**HF_SIZES).to_dict(), **changes}
+
+
+@pytest.mark.parametrize(
+    ("hf_config", "error", "message"),
+    [
+        (None, TypeError, "hf_config must be a transformers config or its dict; got NoneType"),
+        ("meta-llama/Llama-3.2-1B", TypeError, "hf_config must be a transformers config or its dict; got str"),
+        (_llama_dict(tie_word_embeddings="False"), ValueError, "tie_word_embeddings='False' must be a bool (true/false)"),
+        (_llama_dict(attention_bias="yes"), ValueError, "attention_bias='yes' must be a bool (true/false)"),
+        (_llama_dict(mlp_bias="false"), ValueError, "mlp_bias='false' must be a bool (true/false)"),
+        (_llama_dict(max_position_embeddings=None), ValueError,
+         "max_position_embeddings=None must be an int >= 1 (the config's max_position_embeddings)"),
+        (_llama_dict(intermediate_size=None), ValueError, "intermediate_size=None must be an int >= 1"),
+        (_llama_dict(num_hidden_layers=2.0), ValueError, "num_hidden_layers=2.0 must be an int >= 1"),
+        (_llama_dict(head_dim="8"), ValueError, "head_dim='8' must be an int >= 1"),
+        (_llama_dict(rms_norm_eps=None), ValueError, "rms_norm_eps=None must be a finite number > 0"),
+        (_llama_dict(rms_norm_eps=0.0), ValueError, "rms_norm_eps=0.0 must be a finite number > 0"),
+        (_llama_dict(rope_parameters={"rope_type": "default", "rope_theta": "abc"}), ValueError,
+         "rope_theta='abc' must be a number"),
+        (_llama_dict(rope_parameters="linear"), ValueError,
+         "rope_parameters / rope_scaling must be a dict or None; got 'linear'"),
+        (_llama_dict(rope_parameters={"rope_type": ["linear"], "factor": 2.0}), ValueError,
+         "cannot reproduce rope_parameters={'rope_type': ['linear'], 'factor': 2.0}: RoPE type ['linear']"),
+        (_llama_dict(partial_rotary_factor=0.5), ValueError,
+         "cannot reproduce partial_rotary_factor=0.5: partial rotary (RoPE on part of each head) is not reproduced"),
+    ],
+    ids=["none", "str", "tie-str", "attention-bias-str", "mlp-bias-str", "no-max-positions", "no-intermediate",
+         "layers-float", "head-dim-str", "eps-none", "eps-zero", "theta-str", "rope-str", "rope-type-list",
+         "partial-rotary-top-level"],
+)
+def test_config_from_hf_refuses(hf_config, error, message):
+    from attnlib.hf_decoder import config_from_hf_decoder
+
+    _raises(lambda: config_from_hf_decoder(hf_config, "llama"), error, message)
+
+
+def _qwen3_dict(**changes):
+    from transformers import Qwen3Config
+
+    config = {**Qwen3Config(**HF_SIZES, head_dim=8).to_dict(), **changes}
+    return config
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1, "layer_types": None},
+         "cannot reproduce layer_types=['full_attention', 'sliding_attention']: sliding windows on only some layers"),
+        ({"layer_types": ["full_attention"]}, "cannot reproduce layer_types=['full_attention']: expected 2 of"),
+        ({"layer_types": ["chunked_attention"] * 2}, "cannot reproduce layer_types=['chunked_attention', 'chunked_attention']"),
+        ({"use_sliding_window": "true"}, "use_sliding_window='true' must be a bool (true/false)"),
+    ],
+    ids=["mixed-from-max-window-layers", "too-few-types", "unknown-type", "flag-str"],
+)
+def test_qwen3_layer_types_refused(changes, message):
+    from attnlib.hf_decoder import config_from_hf_decoder
+
+    _raises(lambda: config_from_hf_decoder(_qwen3_dict(**changes), "qwen3"), ValueError, message)
+
+
+def _same_logits(hf_model, ours):
+    idx = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(idx)[0], hf_model.eval()(idx).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_windows_that_transformers_ignores_are_ignored():
+    """Llama has no sliding window (transformers ignores the field), and a Qwen3 config.json without
+    layer_types slides only from max_window_layers on: here no layer, so no window (both were windowed)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    import attnlib
+
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(**HF_SIZES, sliding_window=4))
+    assert attnlib.from_hf_llama(llama).config.sliding_window is None
+    _same_logits(llama, attnlib.from_hf_llama(llama))
+    qwen = Qwen3ForCausalLM(Qwen3Config(**HF_SIZES, head_dim=8, use_sliding_window=True, sliding_window=4,
+                                        max_window_layers=28))
+    as_dict = {k: v for k, v in qwen.config.to_dict().items() if k != "layer_types"}  # an older config.json
+    ours = attnlib.from_hf_qwen3(qwen.state_dict(), config=as_dict)
+    assert ours.config.sliding_window is None
+    _same_logits(qwen, ours)
+
+
+def _llama_state():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**HF_SIZES))
+    return model.state_dict(), model.config
+
+
+def test_state_dict_names_the_missing_projection():
+    import attnlib
+
+    state, config = _llama_state()
+    del state["model.layers.1.self_attn.k_proj.weight"]
+    _raises(lambda: attnlib.from_hf_llama(state, config=config), ValueError,
+            "missing ['model.layers.1.self_attn.k_proj.weight'], unexpected []")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "error", "message"),
+    [
+        ("model.layers.0.self_attn.k_proj.weight", torch.zeros(16, 16), ValueError,
+         "model.layers.0.self_attn.k_proj.weight has shape (16, 16); expected (16, 32)"),
+        ("model.layers.0.self_attn.q_proj.weight", torch.zeros(24, 32), ValueError,
+         "model.layers.0.self_attn.q_proj.weight has shape (24, 32); expected (32, 32)"),
+        ("model.norm.weight", [1.0] * 32, TypeError, "the state dict's 'model.norm.weight' is a list; expected a torch.Tensor"),
+        ("model.norm.weight", torch.empty(32, device="meta"), ValueError,
+         "the state dict's 'model.norm.weight' is on the meta device (no values): load the weights first"),
+    ],
+    ids=["k-proj-columns", "q-proj-rows", "not-a-tensor", "meta"],
+)
+def test_state_dict_bad_values(key, value, error, message):
+    import attnlib
+
+    state, config = _llama_state()
+    state[key] = value
+    _raises(lambda: attnlib.from_hf_llama(state, config=config), error, message)
+
+
+def test_model_takes_the_embedding_dtype_not_a_stray_buffer():
+    import attnlib
+
+    state, config = _llama_state()
+    state = {"model.rotary_emb.inv_freq": torch.ones(4), **{k: v.to(torch.bfloat16) for k, v in state.items()}}
+    ours = attnlib.from_hf_llama(state, config=config)
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
