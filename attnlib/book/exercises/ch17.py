@@ -11,6 +11,10 @@
   (Xiao et al. 2023), checked against :class:`attnlib.cache.SinkLayerCache` filled token by token.
 * 17.4 ``check_softcap_grad``: ``softcap_grad(scores, cap)``, the derivative of Gemma 2's soft-cap
   ``cap · tanh(s / cap)``, checked against autograd.
+* 17.5 ``check_yarn_frequencies``: ``yarn_frequencies(head_dim, base, factor, original_length,
+  beta_fast, beta_slow)``, YaRN's frequencies and attention factor (Peng et al. 2023, §3.2-3.4, as
+  its reference code and ``transformers`` compute them), checked against
+  :func:`attnlib.positional.rope_frequencies`.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ from attnlib.book.exercises._core import NotSolved, exercise, expect
 from attnlib.cache import LayerCache, RingLayerCache, SinkLayerCache
 from attnlib.positional import rope_frequencies
 
-__all__ = ["check_ntk_base", "check_pattern_cache_bytes", "check_softcap_grad", "check_streaming_keys"]
+__all__ = ["check_ntk_base", "check_pattern_cache_bytes", "check_softcap_grad", "check_streaming_keys",
+           "check_yarn_frequencies"]
 
 
 # ---------------------------------------------------------------- 17.1
@@ -113,6 +118,9 @@ def check_streaming_keys(streaming_keys) -> None:
         expect(not (recent and min(recent) == position - window + n_sink + 1 and n_sink),
                f"{case}: the window is the recent positions besides the sinks: a cache of n_sink + window "
                "positions, not window in all")
+        expect(not (recent and min(recent) == position - window + 2 and position - window + 2 > n_sink),
+               f"{case}: the window holds window={window} keys, the token itself and the {window - 1} before "
+               f"it (position - window + 1 ... position), not {window - 1}")
         expect(False, f"{case}: the sinks 0 ... n_sink - 1, then position - window + 1 ... position")
 
 
@@ -211,3 +219,102 @@ def check_softcap_grad(softcap_grad) -> None:
         expect(not close(torch.where(scores == 0, torch.ones_like(t), cap * t / scores)),
                f"{case}: cap * tanh(s/cap) / s is the slope from the origin (the secant), not the derivative")
         expect(False, f"{case}: differs from autograd's derivative by {(got - expected).abs().max().item():.3g}")
+
+
+# ---------------------------------------------------------------- 17.5
+def _yarn_variant(head_dim: int, base: float, factor: float, L: int, beta_fast: float, beta_slow: float, *,
+                  ramp_in_turns: bool = False, rounded: bool = True, clamped: bool = True,
+                  reversed_bands: bool = False) -> torch.Tensor:
+    """YaRN's frequencies, or one of the ways of getting them wrong (to name a learner's mistake)."""
+    theta = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+
+    def pair(turns: float) -> float:  # the pair index that makes `turns` turns in L tokens
+        return head_dim * math.log(L / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    if ramp_in_turns:  # the paper's gamma(r), linear in r = L / wavelength
+        ramp = 1 - (L * theta / (2 * math.pi) - beta_slow) / (beta_fast - beta_slow)
+    else:
+        low, high = pair(beta_fast), pair(beta_slow)
+        if rounded:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        ramp = (torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)
+    if clamped:
+        ramp = ramp.clamp(0, 1)
+    if reversed_bands:
+        ramp = 1 - ramp
+    return theta / factor * ramp + theta * (1 - ramp)  # ramp 0: kept, 1: divided by factor
+
+
+@exercise("17.5")
+def check_yarn_frequencies(yarn_frequencies) -> None:
+    """Check ``yarn_frequencies(head_dim, base, factor, original_length, beta_fast, beta_slow)``.
+
+    It must return ``(inv_freq, attention_factor)``: YaRN's frequencies ``(head_dim / 2,)`` and the
+    factor on cos and sin, equal to :func:`attnlib.positional.rope_frequencies` (which equals
+    ``transformers``' ``_compute_yarn_parameters``) for several heads, bases, factors and lengths.
+    """
+    cases = [  # (head_dim, base, factor, original_length, beta_fast, beta_slow)
+        (128, 500000.0, 8.0, 8192, 32.0, 1.0),  # Llama 3.1's heads
+        (16, 10000.0, 4.0, 32, 32.0, 1.0),  # the chapter's experiment: the fast edge below pair 0
+        (64, 10000.0, 16.0, 2048, 32.0, 1.0),
+        (128, 1e6, 4.0, 4096, 16.0, 2.0),
+        (32, 10000.0, 2.5, 512, 32.0, 1.0),
+        (64, 500000.0, 8.0, 1024, 8.0, 0.5),
+    ]
+    for d, base, s, L, fast, slow in cases:
+        got = yarn_frequencies(d, base, s, L, fast, slow)
+        if got is None:
+            raise NotSolved("return (inv_freq, attention_factor), not None")
+        expect(isinstance(got, tuple) and len(got) == 2,
+               f"return a pair (inv_freq, attention_factor); got {type(got).__name__}")
+        inv_freq, factor = got
+        if isinstance(factor, torch.Tensor) and factor.numel() == 1:
+            factor = factor.item()
+        expect(isinstance(inv_freq, torch.Tensor) and inv_freq.shape == (d // 2,),
+               f"inv_freq: a tensor of head_dim / 2 = {d // 2} frequencies; got {getattr(inv_freq, 'shape', inv_freq)}")
+        expect(isinstance(factor, (int, float)) and not isinstance(factor, bool),
+               f"attention_factor: a float; got {type(factor).__name__}")
+        case = (f"yarn_frequencies(head_dim={d}, base={base:g}, factor={s:g}, original_length={L}, "
+                f"beta_fast={fast:g}, beta_slow={slow:g})")
+        rope_scaling = {"rope_type": "yarn", "factor": s, "original_max_position_embeddings": L,
+                        "beta_fast": fast, "beta_slow": slow}
+        expected, expected_factor = rope_frequencies(d, base, rope_scaling)
+        mine = inv_freq.detach().double()
+        # the factor first: it does not depend on the frequencies
+        if not math.isclose(factor, expected_factor, rel_tol=1e-6):
+            expect(not math.isclose(factor, 1.0),
+                   f"{case}: attention_factor = 1.0, but YaRN also multiplies cos and sin by 0.1 ln(factor) + 1 "
+                   f"= {expected_factor:.4f} (temperature: sharper softmax at the longer length)")
+            expect(not math.isclose(factor, expected_factor**2, rel_tol=1e-6),
+                   f"{case}: attention_factor = {factor:.4f} is the factor on the scores (1/t); cos and sin "
+                   f"each take its square root, 0.1 ln(factor) + 1 = {expected_factor:.4f}")
+            expect(not math.isclose(factor, 0.1 * math.log10(s) + 1, rel_tol=1e-6),
+                   f"{case}: attention_factor uses the natural logarithm, ln(factor), not log10")
+            expect(False, f"{case}: attention_factor = {factor:.6g}, expected 0.1 ln(factor) + 1 = "
+                          f"{expected_factor:.6g}")
+        if torch.allclose(mine, expected.double(), rtol=1e-5, atol=0):
+            continue
+
+        def close(mine=mine, args=(d, base, s, L, fast, slow), **variant):
+            return torch.allclose(mine, _yarn_variant(*args, **variant), rtol=1e-5, atol=0)
+
+        plain = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        expect(not torch.allclose(mine, plain / s, rtol=1e-5, atol=0),
+               f"{case}: every pair divided by factor is linear scaling (position interpolation); YaRN keeps "
+               "the fast pairs (more than beta_fast turns in original_length) unchanged")
+        expect(not close(reversed_bands=True),
+               f"{case}: the bands are swapped: the fast pairs (many turns in original_length) are kept and "
+               "the slow pairs (fewer than beta_slow turns) are divided by factor, not the other way round")
+        expect(not close(ramp_in_turns=True),
+               f"{case}: a ramp linear in the number of turns r is the paper's gamma(r); the reference code "
+               "(and transformers) ramps linearly over the pair index i, between the band edges")
+        expect(not close(rounded=False),
+               f"{case}: round the band edges outward to whole pairs first: floor for the fast edge "
+               "(beta_fast), ceil for the slow edge (beta_slow)")
+        expect(not close(clamped=False),
+               f"{case}: clamp the ramp to [0, 1]: pairs outside the two edges are kept or divided by factor, "
+               "not extrapolated along the ramp")
+        worst = int((mine / expected.double() - 1).abs().argmax())
+        expect(False, f"{case}: pair {worst} turns at {mine[worst].item():.6g} radians per position, expected "
+                      f"{expected[worst].item():.6g}")
