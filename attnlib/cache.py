@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlib._checks import positive_int
+from attnlib._checks import non_negative_int, positive_int
 
 __all__ = ["KVCache", "LayerCache", "RingLayerCache", "SinkLayerCache"]
 
@@ -99,11 +99,26 @@ class LayerCache:
         self.length = 0
 
     def truncate(self, length: int) -> None:
-        """Forget every position from ``length`` on (speculative decoding's rejected drafts)."""
-        self.length = min(self.length, length)
+        """Forget every position from ``length`` on (speculative decoding's rejected drafts).
+
+        Raises:
+            TypeError / ValueError: ``length`` not an int >= 0.
+        """
+        self.length = min(self.length, non_negative_int("length", length))
 
     def reorder(self, index: torch.Tensor) -> None:
-        """Keep batch rows ``index`` (beam search: follow each surviving beam's parent)."""
+        """Keep batch rows ``index`` (beam search: follow each surviving beam's parent).
+
+        Raises:
+            TypeError: ``index`` not an integer tensor. ValueError: not 1-D, or a row outside the cached batch.
+        """
+        if not isinstance(index, torch.Tensor) or index.dtype == torch.bool or index.is_floating_point() \
+                or index.is_complex():
+            raise TypeError(f"index must be a 1-D integer tensor of batch rows; got {getattr(index, 'dtype', type(index).__name__)}")
+        B = next(iter(self.buffers.values())).shape[0] if self.buffers else None
+        if index.dim() != 1 or (B is not None and index.numel() and index.device.type != "meta"
+                                and not bool(((index >= 0) & (index < B)).all())):
+            raise ValueError(f"index must be a 1-D tensor of rows of the cached batch of {B}; got {index.tolist()}")
         for name, buffer in self.buffers.items():
             self.buffers[name] = buffer.index_select(0, index.to(buffer.device))
 
@@ -198,7 +213,9 @@ class SinkLayerCache(LayerCache):
     def __init__(self, max_len: int, window: int, n_sink: int = 4) -> None:
         super().__init__(max_len)
         positive_int("window", window)
-        if isinstance(n_sink, bool) or not isinstance(n_sink, int) or n_sink < 0:
+        if isinstance(n_sink, bool) or not isinstance(n_sink, int):
+            raise TypeError(f"n_sink must be an int >= 0, got {n_sink!r}")
+        if n_sink < 0:
             raise ValueError(f"n_sink must be an int >= 0, got {n_sink!r}")
         if n_sink > window:
             raise ValueError(f"n_sink={n_sink} is larger than window={window}: the sinks would outnumber the window")
@@ -262,6 +279,8 @@ class KVCache:
     def __init__(self, n_layers: int, max_len: int, windows: list[int | None] | None = None,
                  n_sink: int | None = None) -> None:
         positive_int("n_layers", n_layers)
+        if windows is not None and (isinstance(windows, (str, bytes, torch.Tensor)) or not hasattr(windows, "__iter__")):
+            raise TypeError(f"windows must be a list of one window (int) or None per layer; got {windows!r}")
         windows = [None] * n_layers if windows is None else list(windows)
         if len(windows) != n_layers:
             raise ValueError(f"windows must give one window (or None) per layer, {n_layers}; got {len(windows)}")
@@ -303,7 +322,16 @@ class KVCache:
             layer.reset()
 
     def truncate(self, length: int) -> None:
-        """Forget every position from ``length`` on in every layer (see :meth:`LayerCache.truncate`)."""
+        """Forget every position from ``length`` on in every layer (see :meth:`LayerCache.truncate`).
+
+        Raises:
+            TypeError / ValueError: ``length`` not an int >= 0; a window or sink layer (checked before any
+                layer changes, so the cache stays in step).
+        """
+        non_negative_int("length", length)
+        for layer in self.layers:
+            if isinstance(layer, (RingLayerCache, SinkLayerCache)):
+                layer.truncate(length)  # raises
         for layer in self.layers:
             layer.truncate(length)
 

@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 
+from attnlib.cache import KVCache, LayerCache, SinkLayerCache
 from attnlib.positional import RotaryEmbedding
 from attnlib.rope import rope_frequencies
 
@@ -321,3 +322,41 @@ def test_model_takes_the_embedding_dtype_not_a_stray_buffer():
     state = {"model.rotary_emb.inv_freq": torch.ones(4), **{k: v.to(torch.bfloat16) for k, v in state.items()}}
     ours = attnlib.from_hf_llama(state, config=config)
     assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: KVCache(2, 10, windows=4), TypeError,
+         "windows must be a list of one window (int) or None per layer; got 4"),
+        (lambda: KVCache(2, 10, windows="ab"), TypeError, "windows must be a list of one window (int) or None per layer; got 'ab'"),
+        (lambda: KVCache(2, 10, windows=[4, 4], n_sink="2"), TypeError, "n_sink must be an int >= 0, got '2'"),
+        (lambda: SinkLayerCache(10, 4, n_sink=2.0), TypeError, "n_sink must be an int >= 0, got 2.0"),
+        (lambda: LayerCache(8).truncate(-1), ValueError, "length=-1 must be an int >= 0"),
+        (lambda: LayerCache(8).truncate(1.5), TypeError, "length must be an int; got 1.5 (float)"),
+        (lambda: KVCache(2, 8).truncate(-2), ValueError, "length=-2 must be an int >= 0"),
+        (lambda: _filled(LayerCache(8)).reorder([0]), TypeError, "index must be a 1-D integer tensor of batch rows; got list"),
+        (lambda: _filled(LayerCache(8)).reorder(torch.tensor([0.0])), TypeError,
+         "index must be a 1-D integer tensor of batch rows; got torch.float32"),
+        (lambda: _filled(LayerCache(8)).reorder(torch.tensor([0, 5])), ValueError,
+         "index must be a 1-D tensor of rows of the cached batch of 2; got [0, 5]"),
+        (lambda: _filled(LayerCache(8)).reorder(torch.tensor([-1])), ValueError, "of the cached batch of 2; got [-1]"),
+    ],
+    ids=["windows-int", "windows-str", "n-sink-str", "n-sink-float", "truncate-negative", "truncate-float",
+         "kv-truncate-negative", "reorder-list", "reorder-float", "reorder-out-of-batch", "reorder-negative"],
+)
+def test_cache_refuses(call, error, message):
+    _raises(call, error, message)
+
+
+def _filled(cache):
+    cache.update(k=torch.randn(2, 3, 4))
+    return cache
+
+
+def test_truncating_a_cache_with_a_window_layer_leaves_every_layer_in_step():
+    cache = KVCache(2, 8, windows=[None, 4])
+    for layer in cache.layers:
+        layer.update(k=torch.randn(1, 3, 2))
+    _raises(lambda: cache.truncate(1), ValueError, "RingLayerCache keeps only the last window=4 positions")
+    assert cache.length == 3  # the full layer was not truncated before the ring refused
