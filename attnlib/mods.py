@@ -134,7 +134,7 @@ def document_mask(doc_ids: torch.Tensor) -> MaskMod:
 
     Raises:
         TypeError: ``doc_ids`` not an integer tensor.
-        ValueError: ``doc_ids`` not 1-D or 2-D.
+        ValueError: ``doc_ids`` not 1-D or 2-D; at call time, fewer positions than keys or fewer rows than the batch.
     """
     if not isinstance(doc_ids, torch.Tensor):
         raise TypeError(f"doc_ids must be an integer torch.Tensor (T,) or (B, T); got {type(doc_ids).__name__}")
@@ -144,6 +144,12 @@ def document_mask(doc_ids: torch.Tensor) -> MaskMod:
         raise ValueError(f"doc_ids must be (T,) or (B, T); got shape {tuple(doc_ids.shape)}")
 
     def mask_mod(b, h, q_idx, kv_idx):
+        n_keys = kv_idx.shape[-1] if torch.is_tensor(kv_idx) and kv_idx.dim() else 0  # (scalars under vmap: unchecked)
+        if n_keys > doc_ids.shape[-1]:
+            raise ValueError(f"doc_ids labels {doc_ids.shape[-1]} positions; the scores have T_k={n_keys} keys")
+        batch = b.shape[0] if torch.is_tensor(b) and b.dim() and b.dim() == kv_idx.dim() else 0
+        if doc_ids.dim() == 2 and batch > doc_ids.shape[0]:
+            raise ValueError(f"doc_ids has {doc_ids.shape[0]} rows; the scores have a batch of {batch}")
         if doc_ids.dim() == 1:
             return doc_ids[q_idx] == doc_ids[kv_idx]
         return doc_ids[b, q_idx] == doc_ids[b, kv_idx]

@@ -360,3 +360,18 @@ def test_truncating_a_cache_with_a_window_layer_leaves_every_layer_in_step():
         layer.update(k=torch.randn(1, 3, 2))
     _raises(lambda: cache.truncate(1), ValueError, "RingLayerCache keeps only the last window=4 positions")
     assert cache.length == 3  # the full layer was not truncated before the ring refused
+
+
+@pytest.mark.parametrize(
+    ("doc_ids", "shape", "message"),
+    [
+        (torch.tensor([0, 0, 1]), (1, 1, 4, 4), "doc_ids labels 3 positions; the scores have T_k=4 keys"),
+        (torch.zeros(2, 4, dtype=torch.long), (3, 1, 4, 4), "doc_ids has 2 rows; the scores have a batch of 3"),
+    ],
+    ids=["fewer-positions-than-keys", "fewer-rows-than-batch"],
+)
+def test_document_mask_refuses_indices_it_does_not_label(doc_ids, shape, message):
+    from attnlib.masks import mask_from_mod
+    from attnlib.mods import document_mask
+
+    _raises(lambda: mask_from_mod(document_mask(doc_ids), shape), ValueError, message)
