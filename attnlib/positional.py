@@ -162,11 +162,12 @@ class RotaryEmbedding(nn.Module):
     A rotation by ``mθ`` of the query and by ``nθ`` of the key leaves their dot product a
     function of ``m - n`` only, so attention scores see relative offsets.
 
-    Pairing: **half-split**, the convention of LLaMA and Hugging Face ``transformers``
-    (``rotate_half``): pair ``i`` is ``(x[i], x[i + head_dim/2])``. The RoFormer paper writes
-    the *interleaved* pairing ``(x[2i], x[2i+1])``; the two are the same rotation up to a
-    fixed permutation of the head's dimensions, but weights trained with one do not work
-    with the other.
+    Pairing: **half-split**, the convention of Hugging Face ``transformers``' Llama, Qwen and
+    Mistral code (``rotate_half``): pair ``i`` is ``(x[i], x[i + head_dim/2])``. The RoFormer
+    paper and Meta's reference Llama code use the *interleaved* pairing ``(x[2i], x[2i+1])``;
+    the two are the same rotation up to a fixed permutation of each head's rows of ``W_Q`` and
+    ``W_K`` (:func:`attnlib.rope.interleaved_to_half_split`, chapter 16), but weights trained
+    with one do not work with the other.
 
     Args:
         head_dim: size of one head (even).
