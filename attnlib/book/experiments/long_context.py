@@ -94,7 +94,8 @@ def recompute_losses(model: ModernDecoder, tokens: torch.Tensor) -> list[float]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m attnlib.book.experiments.long_context", description=__doc__)
-    parser.add_argument("--context", type=int, default=64, help="training context L (default 64)")
+    parser.add_argument("--context", type=int, default=32,
+                        help="training context L (default 32, the committed run's; chapter 12's block_size)")
     parser.add_argument("--max-iters", type=int, default=5000, help="optimiser steps per model (chapter 13: 5000)")
     parser.add_argument("--positions", default=",".join(POSITION_KINDS), help="which models to train")
     parser.add_argument("--stream", type=int, default=1024, help="tokens in the streaming test")
