@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnlib._checks import divisible, positive_int, probability
+from attnlib._checks import divisible, finite_number, positive_int, probability
 from attnlib.attention.linear import check_recurrent_input, read_state, write_state
 from attnlib.cache import LayerCache
 
@@ -37,15 +37,22 @@ def _check(q, k, v, beta, g) -> None:
             continue
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise TypeError(f"{name} must be a floating point tensor; got {getattr(t, 'dtype', type(t).__name__)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; use one device")
+        if name in ("k", "v") and t.dtype != q.dtype:
+            raise TypeError(f"q, k, v must share a dtype; got q {q.dtype} and {name} {t.dtype}")
     if q.dim() != 4 or q.shape != k.shape:
         raise ValueError(f"q and k must have the same shape (B, n_heads, T, d_k); got {tuple(q.shape)} and {tuple(k.shape)}")
     if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"v must have shape (B, n_heads, T, d_v) = {tuple(q.shape[:3])} + (d_v,); got {tuple(v.shape)}")
-    if q.shape[2] == 0:
-        raise ValueError(f"q holds no positions; got shape {tuple(q.shape)}")
+    if q.shape[2] == 0 or q.shape[3] == 0:
+        raise ValueError(f"q holds no positions or has width d_k = 0; got shape {tuple(q.shape)}")
     for name, t in (("beta", beta), ("g", g)):
         if t is not None and t.shape != q.shape[:3]:
             raise ValueError(f"{name} must have shape (B, n_heads, T) = {tuple(q.shape[:3])}; got {tuple(t.shape)}")
+    for name, t, bad in (("beta", beta, "lie in [0, 1] (a step size)"), ("g", g, "be <= 0 (a log decay)")):
+        if t is not None and t.isnan().any():
+            raise ValueError(f"{name} holds NaN; it must {bad}")
     if ((beta < 0) | (beta > 1)).any():
         raise ValueError(f"beta must lie in [0, 1] (a step size); got values in [{beta.min().item():.3g}, {beta.max().item():.3g}]")
     if g is not None and (g > 0).any():
@@ -71,11 +78,12 @@ def gated_delta_rule(
         q, k: ``(B, n_heads, T, d_k)`` float; keys should have unit length (the layer L2-normalises
             them: then ``I - β k kᵀ`` never amplifies the state).
         v: ``(B, n_heads, T, d_v)``.
-        beta: ``(B, n_heads, T)`` in [0, 1], the write strength of each token.
-        g: ``(B, n_heads, T)`` log decays ``<= 0`` (``α_t = exp(g_t)``); ``None`` = no gate (DeltaNet).
+        beta: ``(B, n_heads, T)`` in [0, 1], the write strength of each token (used in q's dtype, as g).
+        g: ``(B, n_heads, T)`` log decays ``<= 0`` (``α_t = exp(g_t)``; ``-inf`` empties the state);
+            ``None`` = no gate (DeltaNet).
         mode: ``"recurrent"`` (one token at a time) or ``"chunked"``.
         chunk_size: positions per chunk (``"chunked"``), >= 1; checked in every mode.
-        scale: query scale; default ``1 / √d_k``.
+        scale: query scale, a finite number; default ``1 / √d_k``.
         initial_state: ``(B, n_heads, d_k, d_v)`` state from an earlier call.
         return_state: also return the final state.
 
@@ -83,20 +91,28 @@ def gated_delta_rule(
         ``(B, n_heads, T, d_v)``, or ``(output, state (B, n_heads, d_k, d_v))``.
 
     Raises:
-        TypeError: a non-float tensor. ValueError: mismatched shapes, ``beta`` outside [0, 1],
-            ``g > 0``, an unknown mode, ``chunk_size < 1``, a state of the wrong shape (named).
+        TypeError: a non-float tensor, q, k, v of different dtypes, a ``scale`` or
+            ``initial_state`` of the wrong type.
+        ValueError: tensors on different devices, mismatched shapes, ``T = 0`` or ``d_k = 0``,
+            ``beta`` outside [0, 1] or NaN, ``g > 0`` or NaN, an unknown mode, ``chunk_size < 1``,
+            a ``scale`` that is not finite, a state of the wrong shape (named).
     """
     _check(q, k, v, beta, g)
     if mode not in DELTA_MODES:
         raise ValueError(f"mode={mode!r} is not one of {DELTA_MODES}")
     positive_int("chunk_size", chunk_size)
+    if scale is not None:
+        finite_number("scale", scale)
     B, h, T, d_k = q.shape
     S = q.new_zeros(B, h, d_k, v.shape[-1])  # (B, h, d_k, d_v)
     if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise TypeError(f"initial_state must be a tensor (B, n_heads, d_k, d_v); got {type(initial_state).__name__}")
         if initial_state.shape != S.shape:
             raise ValueError(f"initial_state must have shape {tuple(S.shape)}; got {tuple(initial_state.shape)}")
         S = initial_state.to(S)
-    g = torch.zeros_like(beta) if g is None else g
+    beta = beta.to(q.dtype)  # computed in q's dtype (under autocast the gates may come in float32)
+    g = torch.zeros_like(beta) if g is None else g.to(q.dtype)
     q = q * (d_k**-0.5 if scale is None else scale)
     step = _recurrent if mode == "recurrent" else _chunked
     out, S = step(q, k, v, beta, g, S, chunk_size)
@@ -124,6 +140,12 @@ def _chunked(q, k, v, beta, g, S, C):
     A = I + strictly_lower(β (K Kᵀ ⊙ Γ)), Γ_rs = e^{γ_r-γ_s} (the UT transform: U = A⁻¹βV, W = A⁻¹ β e^γ K).
     """
     B, h, T, d_k = q.shape
+    dtype = q.dtype
+    if dtype in (torch.float16, torch.bfloat16):  # no triangular solve in half precision on every device
+        q, k, v, beta, g, S = (t.float() for t in (q, k, v, beta, g, S))
+    # exp(g) is 0 below log(smallest subnormal): clamping there keeps every product of decays, and
+    # keeps the cumulative sums finite (g = -inf would give -inf - -inf = NaN below)
+    g = g.clamp(min=math.log(torch.finfo(g.dtype).tiny * torch.finfo(g.dtype).eps) - 1)
     C = min(C, T)  # a chunk longer than the sequence would only add padding
     pad = (C - T % C) % C  # padded positions: β = 0 (no write), g = 0 (no decay), sliced off at the end
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
@@ -144,7 +166,7 @@ def _chunked(q, k, v, beta, g, S, C):
         outs.append((q[:, :, i] * gamma[:, :, i, :, None].exp()) @ S + QK[:, :, i] @ new)
         last = gamma[:, :, i, -1, None]  # (B, h, 1)
         S = last[..., None].exp() * S + (k[:, :, i] * (last - gamma[:, :, i]).exp()[..., None]).transpose(-2, -1) @ new
-    return torch.cat(outs, dim=2)[:, :, :T], S
+    return torch.cat(outs, dim=2)[:, :, :T].to(dtype), S.to(dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -172,6 +194,8 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         for name, value in (("d_model", d_model), ("n_heads", n_heads), ("chunk_size", chunk_size)):
             positive_int(name, value)
+        if block_size is not None:
+            positive_int("block_size", block_size)
         divisible("d_model", d_model, "n_heads", n_heads)
         probability("dropout", dropout)
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
@@ -201,7 +225,7 @@ class GatedDeltaNet(nn.Module):
         B, T, past = check_recurrent_input(self, x, cache, return_weights, "a gated DeltaNet layer")
 
         def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(B, T, self.n_heads, -1).transpose(1, 2)  # (B, T, h * w) -> (B, h, T, w)
+            return t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, T, h * hd) -> (B, h, T, hd)
 
         q, k, v = (heads(t) for t in self.qkv(x).split(self.d_model, dim=-1))
         q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)

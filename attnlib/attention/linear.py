@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnlib._checks import divisible, positive_int, probability
+from attnlib._checks import divisible, finite_number, positive_int, probability
 from attnlib.cache import LayerCache
 
 __all__ = ["FEATURE_MAPS", "LINEAR_MODES", "LinearAttention", "check_feature_map", "linear_attention"]
@@ -57,14 +57,20 @@ def check_feature_map(feature_map: str | Callable, width: int = 8, dtype: torch.
     if not callable(feature_map):
         raise TypeError(f"feature_map must be a name or a callable; got {type(feature_map).__name__}")
     probe = torch.linspace(-8.0, 8.0, 8 * width, dtype=dtype, device=device).view(1, 1, 8, width)  # both signs
-    _positive(feature_map, feature_map(probe), "on the probe inputs in [-8, 8]")
+    out = feature_map(probe)
+    _positive(feature_map, out, "on the probe inputs in [-8, 8]", dtype)
+    if torch.isnan(out).any():  # finite inputs: a NaN comes from the map itself
+        raise ValueError(f"feature_map={getattr(feature_map, '__name__', repr(feature_map))} produced NaN "
+                         "on the probe inputs in [-8, 8]")
     return feature_map
 
 
-def _positive(fn: Callable, out: object, where: str) -> None:
+def _positive(fn: Callable, out: object, where: str, dtype: torch.dtype) -> None:
     name = getattr(fn, "__name__", repr(fn))
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"feature_map={name} must return a tensor; got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"feature_map={name} must return its input's dtype {dtype}; got {out.dtype}")
     if (out < 0).any():
         raise ValueError(f"feature_map={name} produced a negative value ({out.min().item():.3g}) {where}: "
                          "it can give negative attention weights; use a positive map such as 'elu+1'")
@@ -76,6 +82,8 @@ def _check_qkv(q, k, v) -> None:
             raise TypeError(f"{name} must be a floating point tensor; got {getattr(t, 'dtype', type(t).__name__)}")
         if t.dim() < 2 or t.shape[-2] == 0:
             raise ValueError(f"{name} must have shape (..., T, width) with T >= 1; got {tuple(t.shape)}")
+    if q.shape[-1] == 0:
+        raise ValueError(f"q and k must have a width d_k >= 1; got shape {tuple(q.shape)}")
     if q.shape != k.shape:
         raise ValueError(f"q and k must have the same shape (..., T, d_k); got {tuple(q.shape)} and {tuple(k.shape)}")
     if v.shape[:-1] != q.shape[:-1]:
@@ -83,6 +91,8 @@ def _check_qkv(q, k, v) -> None:
                          f"got {tuple(v.shape)}")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
 
 
 def linear_attention(
@@ -105,7 +115,7 @@ def linear_attention(
         feature_map: a name from :data:`FEATURE_MAPS` (default ``"elu+1"``) or a callable
             ``(..., d_k) -> (..., d_φ)`` whose outputs are >= 0 (checked).
         chunk_size: positions per chunk (``"chunked"`` only; checked in every mode), >= 1.
-        eps: added to the normaliser ``φ(q_i)·z_i``.
+        eps: added to the normaliser ``φ(q_i)·z_i``; a finite number >= 0.
         initial_state: ``(S, z)`` from an earlier call (``return_state=True``): continue that sequence.
         return_state: also return the final state ``(S (..., d_φ, d_v), z (..., d_φ))``.
 
@@ -114,17 +124,22 @@ def linear_attention(
 
     Raises:
         TypeError: non-float or mixed-dtype tensors, a feature map that is not a name or callable.
-        ValueError: mismatched shapes, an unknown mode, ``chunk_size < 1``, a feature map that is
-            refused or gives a negative value (named).
+        ValueError: mismatched shapes or devices, ``T = 0`` or ``d_k = 0``, an unknown mode,
+            ``chunk_size < 1``, ``eps`` negative or not finite, a feature map that is refused or
+            gives a negative value or NaN (named), an ``initial_state`` of the wrong shape.
     """
     _check_qkv(q, k, v)
     if mode not in LINEAR_MODES:
         raise ValueError(f"mode={mode!r} is not one of {LINEAR_MODES}")
     positive_int("chunk_size", chunk_size)
+    finite_number("eps", eps, minimum=0.0)
+    if initial_state is not None and not (isinstance(initial_state, (tuple, list)) and len(initial_state) == 2
+                                          and all(isinstance(t, torch.Tensor) for t in initial_state)):
+        raise TypeError(f"initial_state must be a pair of tensors (S, z); got {type(initial_state).__name__}")
     phi = check_feature_map(feature_map, q.shape[-1], q.dtype, q.device)
     fq, fk = phi(q), phi(k)  # (..., T, d_φ)
-    _positive(phi, fq, "on q")
-    _positive(phi, fk, "on k")
+    _positive(phi, fq, "on q", q.dtype)
+    _positive(phi, fk, "on k", q.dtype)
     if fq.shape[:-1] != q.shape[:-1] or fq.shape != fk.shape:
         raise ValueError(f"feature_map must map (..., T, d_k) to (..., T, d_φ); got {tuple(fq.shape)}, {tuple(fk.shape)}")
     S = fq.new_zeros((*fq.shape[:-2], fq.shape[-1], v.shape[-1]))  # (..., d_φ, d_v)
@@ -195,17 +210,29 @@ def check_recurrent_input(layer: nn.Module, x: object, cache: LayerCache | None,
     """Check a recurrent layer's ``forward`` arguments (``layer.d_model``, ``layer.block_size``); return ``(B, T, past)``.
 
     Raises:
-        ValueError: weights asked for, ``x`` not ``(B, T, d_model)``, or the sequence past ``block_size``.
+        TypeError: ``x`` not a float tensor of the weights' dtype, ``cache`` not a ``LayerCache``.
+        ValueError: weights asked for, ``x`` not ``(B, T, d_model)`` with ``T >= 1`` or not on the
+            weights' device, the sequence past ``block_size``.
     """
     if return_weights:
         raise ValueError(f"return_weights=True: {what} computes no attention weights")
-    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != layer.d_model:
-        raise ValueError(f"x must have shape (B, T, d_model={layer.d_model}); got {getattr(x, 'shape', x)}")
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating point tensor (B, T, d_model); got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() != 3 or x.shape[-1] != layer.d_model or x.shape[1] == 0:
+        raise ValueError(f"x must have shape (B, T, d_model={layer.d_model}) with T >= 1; got {tuple(x.shape)}")
+    weight = layer.out_proj.weight
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"x is {x.dtype} but the module's weights are {weight.dtype}; convert one of them")
+    if x.device != weight.device:
+        raise ValueError(f"x is on {x.device} but the module's weights are on {weight.device}")
+    if cache is not None and not isinstance(cache, LayerCache):
+        raise TypeError(f"cache must be an attnlib.cache.LayerCache; got {type(cache).__name__}")
     B, T, _ = x.shape
     past = 0 if cache is None else cache.length
     if layer.block_size is not None and past + T > layer.block_size:
         raise ValueError(f"sequence length T={past + T} (cached {past} + new {T}) exceeds block_size={layer.block_size}")
     return B, T, past
+
 
 class LinearAttention(nn.Module):
     """Multi-head causal linear attention with the GPT block's attention interface. Chapter 18.
@@ -237,6 +264,8 @@ class LinearAttention(nn.Module):
         divisible("d_model", d_model, "n_heads", n_heads)
         probability("dropout", dropout)
         positive_int("chunk_size", chunk_size)
+        if block_size is not None:
+            positive_int("block_size", block_size)
         if mode not in LINEAR_MODES:
             raise ValueError(f"mode={mode!r} is not one of {LINEAR_MODES}")
         check_feature_map(feature_map, d_model // n_heads)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnlib._checks import positive_int
+from attnlib._checks import finite_number, positive_int
 from attnlib.attention.multi_head import MultiHeadAttention
 from attnlib.cache import LayerCache
 
@@ -55,7 +55,8 @@ class GatedAttention(MultiHeadAttention):
         y, weights = self.attend(q, k, v, mask, self.causal and context is None, return_weights)
         if self.gate is not None:
             B, T, _ = x.shape
-            g = torch.sigmoid(self.gate(x)).view(B, T, self.n_heads, -1).transpose(1, 2)  # (B, h, T, hd or 1)
+            width = self.gate.out_features // self.n_heads  # hd or 1
+            g = torch.sigmoid(self.gate(x)).view(B, T, self.n_heads, width).transpose(1, 2)  # (B, h, T, hd or 1)
             y = y * g
         y = self.resid_dropout(self.merge(y))
         return (y, weights) if return_weights else y
@@ -64,11 +65,18 @@ class GatedAttention(MultiHeadAttention):
 def topk_mask(scores: torch.Tensor, top_k: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean mask keeping, in every row of ``scores`` ``(..., T_q, T_k)``, the ``top_k`` allowed entries
     of highest score (all allowed entries when fewer). ``allowed``: bool, broadcastable; ``None`` = causal
-    (bottom-right aligned). Raises ValueError for ``top_k < 1``."""
+    (bottom-right aligned). Raises TypeError for ``scores`` not a float tensor or ``allowed`` not a bool
+    tensor, ValueError for ``top_k < 1`` or shapes that do not fit."""
     positive_int("top_k", top_k)
+    if not isinstance(scores, torch.Tensor) or not scores.is_floating_point() or scores.dim() < 2:
+        raise TypeError(f"scores must be a float tensor (..., T_q, T_k); got {getattr(scores, 'shape', type(scores))}")
     T_q, T_k = scores.shape[-2:]
     if allowed is None:
         allowed = torch.ones(T_q, T_k, dtype=torch.bool, device=scores.device).tril(T_k - T_q)
+    elif not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool:
+        raise TypeError(f"allowed must be a bool tensor; got {getattr(allowed, 'dtype', type(allowed).__name__)}")
+    elif allowed.dim() > scores.dim() or any(a not in (1, s) for a, s in zip(allowed.shape[::-1], scores.shape[::-1])):
+        raise ValueError(f"allowed {tuple(allowed.shape)} does not broadcast to scores {tuple(scores.shape)}")
     s = scores.masked_fill(~allowed, float("-inf"))
     index = s.topk(min(top_k, T_k), dim=-1).indices  # (..., T_q, k)
     return torch.zeros_like(s, dtype=torch.bool).scatter(-1, index, True) & allowed
@@ -93,29 +101,45 @@ def topk_attention(
         ``(B, h, T_q, d_v)``.
 
     Raises:
-        ValueError: ``top_k < 1``, mismatched shapes (named).
+        TypeError: q, k, v (or index_scores) not float tensors of one dtype, a ``scale`` not a number.
+        ValueError: ``top_k < 1``, mismatched shapes or devices, ``d = 0``, NaN index scores, a
+            ``scale`` that is not finite (named).
     """
     positive_int("top_k", top_k)
-    if q.dim() != 4 or k.shape[:2] != q.shape[:2] or k.shape[-1] != q.shape[-1] or v.shape[:3] != k.shape[:3]:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype != q.dtype:
+            raise TypeError(f"q, k, v must be float tensors of one dtype; {name} is "
+                            f"{getattr(t, 'dtype', type(t).__name__)}" + ("" if name == "q" else f", q {q.dtype}"))
+        if t.device != q.device:
+            raise ValueError(f"q, k, v must be on one device; got q on {q.device} and {name} on {t.device}")
+    if (q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:2] != q.shape[:2] or k.shape[-1] != q.shape[-1]
+            or v.shape[:3] != k.shape[:3]):
         raise ValueError(f"q (B, h, T_q, d), k (B, h, T_k, d), v (B, h, T_k, d_v) do not match: "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    T_q, T_k = q.shape[2], k.shape[2]
+    if q.shape[-1] == 0:
+        raise ValueError(f"q and k must have a width d >= 1; got {tuple(q.shape)}")
+    B, h, T_q, T_k = *q.shape[:3], k.shape[2]
     if T_q > T_k:
         raise ValueError(f"T_q={T_q} queries but only T_k={T_k} keys; the keys must include the queries' positions")
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = q.shape[-1] ** -0.5 if scale is None else finite_number("scale", scale)
     if index_scores is None:
         index_scores = q @ k.transpose(-2, -1)  # (B, h, T_q, T_k)
-    elif index_scores.dim() != 4 or index_scores.shape[-2:] != (T_q, T_k):
-        raise ValueError(f"index_scores must have shape (B, h|1, T_q={T_q}, T_k={T_k}); got {tuple(index_scores.shape)}")
+    elif not isinstance(index_scores, torch.Tensor) or not index_scores.is_floating_point():
+        raise TypeError(f"index_scores must be a float tensor; got {getattr(index_scores, 'dtype', type(index_scores))}")
+    elif (index_scores.dim() != 4 or index_scores.shape[0] != B or index_scores.shape[1] not in (1, h)
+          or index_scores.shape[-2:] != (T_q, T_k)):
+        raise ValueError(f"index_scores must have shape (B={B}, h={h} or 1, T_q={T_q}, T_k={T_k}); "
+                         f"got {tuple(index_scores.shape)}")
+    elif index_scores.isnan().any():
+        raise ValueError("index_scores holds NaN: the keys to keep are undefined")
     allowed = torch.ones(T_q, T_k, dtype=torch.bool, device=q.device).tril(T_k - T_q)  # causal, bottom-right
     kk = min(top_k, T_k)
     index = index_scores.masked_fill(~allowed, float("-inf")).topk(kk, dim=-1).indices  # (B, h|1, T_q, kk)
-    index = index.expand(q.shape[0], q.shape[1], T_q, kk)
-    valid = allowed.expand(q.shape[0], q.shape[1], T_q, T_k).gather(-1, index)  # rows with < kk keys pick masked ones
-    B, h = q.shape[:2]
+    index = index.expand(B, h, T_q, kk)
+    valid = allowed.expand(B, h, T_q, T_k).gather(-1, index)  # rows with < kk keys pick masked ones
     flat = index.reshape(B, h, T_q * kk, 1)
-    k_sel = k.gather(2, flat.expand(-1, -1, -1, k.shape[-1])).view(B, h, T_q, kk, -1)  # (B, h, T_q, kk, d)
-    v_sel = v.gather(2, flat.expand(-1, -1, -1, v.shape[-1])).view(B, h, T_q, kk, -1)
+    k_sel = k.gather(2, flat.expand(-1, -1, -1, k.shape[-1])).view(B, h, T_q, kk, k.shape[-1])  # (B, h, T_q, kk, d)
+    v_sel = v.gather(2, flat.expand(-1, -1, -1, v.shape[-1])).view(B, h, T_q, kk, v.shape[-1])
     scores = (q.unsqueeze(-2) * k_sel).sum(-1) * scale  # (B, h, T_q, kk)
     weights = scores.masked_fill(~valid, float("-inf")).softmax(-1)
     return (weights.unsqueeze(-1) * v_sel).sum(-2)  # (B, h, T_q, d_v)
@@ -136,12 +160,22 @@ class LightningIndexer(nn.Module):
         super().__init__()
         for name, value in (("d_model", d_model), ("index_heads", index_heads), ("index_dim", index_dim)):
             positive_int(name, value)
-        self.index_heads, self.index_dim = index_heads, index_dim
+        self.d_model, self.index_heads, self.index_dim = d_model, index_heads, index_dim
         self.q_proj = nn.Linear(d_model, index_heads * index_dim, bias=False)
         self.k_proj = nn.Linear(d_model, index_dim, bias=False)
         self.w_proj = nn.Linear(d_model, index_heads, bias=False)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """Scores ``(B, 1, T_q, T_k)``; TypeError / ValueError for inputs that are not float
+        ``(B, T, d_model)`` tensors of the weights' dtype with one batch size."""
+        weight = self.q_proj.weight
+        for name, t in (("x", x), ("context", context)):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype != weight.dtype:
+                raise TypeError(f"{name} must be a float tensor of the weights' dtype {weight.dtype}; "
+                                f"got {getattr(t, 'dtype', type(t).__name__)}")
+            if t.dim() != 3 or t.shape[-1] != self.d_model or t.shape[0] != x.shape[0]:
+                raise ValueError(f"x and context must have shape (B, T, d_model={self.d_model}) with one B; "
+                                 f"got {tuple(x.shape)} and {tuple(getattr(context, 'shape', ()))}")
         B, T_q, _ = x.shape
         q = self.q_proj(x).view(B, T_q, self.index_heads, self.index_dim)  # (B, T_q, H_I, d_I)
         k = self.k_proj(context)  # (B, T_k, d_I)
@@ -167,6 +201,8 @@ class TopKAttention(MultiHeadAttention):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, *, top_k: int,
                  indexer: bool = False, index_heads: int = 4, index_dim: int = 16, **kwargs) -> None:
         positive_int("top_k", top_k)
+        if not isinstance(indexer, bool):
+            raise TypeError(f"indexer must be True or False; got {indexer!r}")
         if kwargs.get("sliding_window") is not None or kwargs.get("causal") is False:
             raise ValueError("TopKAttention is causal self-attention without a sliding_window")
         super().__init__(d_model, n_heads, n_kv_heads, **kwargs)
