@@ -37,7 +37,15 @@ def verify_drafts(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, greedy
     Returns:
         ``(n_accepted (N,), next_token (N,))``: the first ``n_accepted`` drafts are kept, then ``next_token``
         (from the residual ``max(0, p_n - q_n)`` after a rejection, from ``p_k`` after ``k`` acceptances).
+
+    Raises:
+        TypeError: ``p`` or ``q`` not a floating tensor, ``drafts`` not an integer tensor, ``greedy`` not a
+            bool, ``generator`` not a ``torch.Generator``.
+        ValueError: shapes that do not fit ``(N, k + 1, V)``, ``(N, k, V)``, ``(N, k)``; a draft outside
+            ``[0, V)``; a probability that is negative or not finite, a row of ``p`` with no mass. All before
+            any sampling.
     """
+    _check_verify(p, q, drafts, greedy, generator)
     N, k = drafts.shape
     rows = torch.arange(N, device=p.device)
     if greedy:
@@ -56,6 +64,40 @@ def verify_drafts(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, greedy
     total = residual.sum(dim=-1, keepdim=True)
     residual = torch.where(total > 0, residual / total.clamp(min=torch.finfo(p.dtype).tiny), p_n)
     return n, torch.multinomial(residual, 1, generator=generator)[:, 0]
+
+
+def _check_generator(generator: object) -> None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
+
+
+def _check_verify(p: object, q: object, drafts: object, greedy: object, generator: object) -> None:
+    """The argument checks of :func:`verify_drafts` (see its Raises)."""
+    for name, t in (("p", p), ("q", q)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor of probabilities; got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+    if not isinstance(drafts, torch.Tensor) or drafts.dtype == torch.bool or drafts.is_floating_point() \
+            or drafts.is_complex():
+        raise TypeError(f"drafts must be an integer tensor (N, k); got {getattr(drafts, 'dtype', type(drafts).__name__)}")
+    if not isinstance(greedy, bool):
+        raise TypeError(f"greedy must be a bool; got {greedy!r}")
+    _check_generator(generator)
+    if drafts.dim() != 2 or p.dim() != 3:
+        raise ValueError(f"drafts must be (N, k) and p (N, k + 1, V); got {tuple(drafts.shape)} and {tuple(p.shape)}")
+    (N, k), V = drafts.shape, p.shape[-1]
+    if tuple(p.shape) != (N, k + 1, V) or tuple(q.shape) != (N, k, V):
+        raise ValueError(f"with drafts (N, k) = {(N, k)}, p must be (N, k + 1, V) and q (N, k, V); got p "
+                         f"{tuple(p.shape)}, q {tuple(q.shape)}")
+    if drafts.numel() and not bool(((drafts >= 0) & (drafts < V)).all()):
+        raise ValueError(f"drafts must be token ids in [0, V={V}); got {drafts.min().item()}..{drafts.max().item()}")
+    for name, t in (("p", p), ("q", q)):
+        if t.numel() and not bool((torch.isfinite(t) & (t >= 0)).all()):
+            raise ValueError(f"{name} must hold probabilities (finite, >= 0); got a value "
+                             f"{t[~(torch.isfinite(t) & (t >= 0))][0].item()}")
+    if p.numel() and not bool((p.sum(dim=-1) > 0).all()):
+        raise ValueError("every row of p must have some probability mass (a target distribution sums to 1); "
+                         "got a row of zeros")
 
 
 def _feed(model, cache: KVCache, tokens: torch.Tensor) -> torch.Tensor:
@@ -88,13 +130,15 @@ def speculative_generate(target, draft, idx: torch.Tensor, max_new_tokens: int, 
 
     Raises:
         TypeError / ValueError: different vocabularies (both named), ``n_draft`` not an int >= 1, a bad
-            prompt (not one row) or temperature, a text longer than a ``block_size``; all before any pass.
+            prompt (not one row) or temperature, a ``generator`` that is not a ``torch.Generator``, a text
+            longer than a ``block_size``; all before any pass.
     """
     vocab, draft_vocab = decoder_vocab_size(target), decoder_vocab_size(draft)
     if vocab != draft_vocab:
         raise ValueError(f"draft and target must share a vocabulary; draft vocab_size={draft_vocab}, "
                          f"target vocab_size={vocab}")
     positive_int("n_draft", n_draft)
+    _check_generator(generator)
     check_decoding(vocab, max_new_tokens, temperature=temperature)
     idx = check_prompt(idx, vocab, batch=1)
     longest = idx.shape[1] + max_new_tokens

@@ -23,8 +23,9 @@ from collections.abc import Sequence
 import torch
 
 from attnlib._checks import positive_int, token_ids
-from attnlib.decoding import check_decoding, stop_mask
+from attnlib.decoding import check_decoding, decoder_vocab_size, stop_mask
 from attnlib.sampling import sample_next_token
+from attnlib.serving.padding import _as_ids
 from attnlib.serving.paged import PageAllocator, PagedKVCache
 
 __all__ = ["cache_memory", "request_lengths", "serve"]
@@ -35,6 +36,8 @@ def request_lengths(n: int, max_len: int, seed: int = 0) -> list[int]:
     requests, a few long ones, as in chat traffic), from ``seed``."""
     positive_int("n", n)
     positive_int("max_len", max_len)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int; got {seed!r} ({type(seed).__name__})")
     u = torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     return [max(1, min(max_len, int(round(math.exp(x * math.log(max_len)))))) for x in u.tolist()]
 
@@ -57,11 +60,14 @@ def cache_memory(lengths: Sequence[int], max_len: int, page_size: int, bytes_per
         (waste = the fraction of the reserved positions that hold no token), and ``"paged_pages"``.
 
     Raises:
-        TypeError / ValueError: ``page_size`` (named) or ``max_len`` not an int >= 1; no lengths, or one outside
-            ``[1, max_len]``.
+        TypeError / ValueError: ``page_size`` (named), ``max_len`` or ``bytes_per_token`` not an int >= 1;
+            ``lengths`` not a list, empty, or holding a length outside ``[1, max_len]``.
     """
     positive_int("page_size", page_size)
     positive_int("max_len", max_len)
+    positive_int("bytes_per_token", bytes_per_token)
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence):
+        raise TypeError(f"lengths must be a list of ints (positions per request); got {type(lengths).__name__}")
     lengths = list(lengths)
     if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_len for n in lengths):
         raise ValueError(f"lengths must be a non-empty list of ints in [1, max_len={max_len}]; got {lengths[:8]}")
@@ -100,14 +106,32 @@ def serve(model, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens
         request indices in the batch), ``"joined"``, ``"left"`` and ``"pages_used"``.
 
     Raises:
-        TypeError / ValueError: a bad prompt (named by index), ``max_new_tokens`` or pool size; a request
-            longer than ``block_size`` or than the whole pool.
+        TypeError / ValueError: not a decoder; no prompts; a bad prompt (named by index: empty, not 1-D, not
+            integer ids, outside the vocabulary, not on the model's device); ``max_new_tokens`` not an int >= 1
+            or a list of them, one per prompt; a bad pool size, temperature, stop token or generator; a request
+            longer than ``block_size`` or than the whole pool. All before any forward pass.
     """
-    vocab, block = model.config.vocab_size, model.config.block_size
+    vocab = decoder_vocab_size(model)
+    block = model.config.block_size
     stops = check_decoding(vocab, 1, temperature=temperature, stop_tokens=stop_tokens)
     positive_int("max_batch", max_batch)
     positive_int("page_size", page_size)
-    prompts = [token_ids(f"prompts[{i}]", torch.as_tensor(p)[None], vocab)[0] for i, p in enumerate(prompts)]
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, torch.Tensor)) or len(prompts) == 0:
+        raise ValueError(f"prompts must be a non-empty list of prompts; got {type(prompts).__name__}")
+    device = next(model.parameters()).device
+    checked = []
+    for i, p in enumerate(prompts):
+        t = _as_ids(f"prompts[{i}]", p)
+        if t.dim() != 1 or t.numel() == 0:
+            raise ValueError(f"prompts[{i}] must be a non-empty 1-D sequence of ids; got shape {tuple(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"prompts[{i}] is on {t.device} but the model is on {device}")
+        checked.append(token_ids(f"prompts[{i}]", t[None], vocab)[0])
+    prompts = checked
+    if isinstance(max_new_tokens, (str, bytes)) or not isinstance(max_new_tokens, (int, Sequence)):
+        raise TypeError(f"max_new_tokens must be an int or a list of ints, one per prompt; got {max_new_tokens!r}")
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(budgets) != len(prompts):
         raise ValueError(f"max_new_tokens gives {len(budgets)} budgets for {len(prompts)} prompts")
@@ -131,7 +155,7 @@ def serve(model, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens
         nxt = sample_next_token(logits, temperature, generator=generator)[:, 0]
         done = []
         for r, t in zip(requests, nxt.tolist()):
-            outputs[r] = torch.cat([outputs[r], torch.tensor([t])])
+            outputs[r] = torch.cat([outputs[r], torch.tensor([t], device=device)])
             if outputs[r].numel() - prompts[r].numel() == budgets[r] or stop_mask(torch.tensor(t), stops):
                 done.append(r)
         return done

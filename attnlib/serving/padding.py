@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from attnlib._checks import token_ids
+from attnlib._checks import positive_int, token_ids
 
 __all__ = ["check_attention_mask", "left_pad", "mask_positions"]
 
@@ -65,8 +65,31 @@ def mask_positions(attention_mask: torch.Tensor) -> torch.Tensor:
 
     Real tokens get ``0, 1, …`` in order; a pad gets the position of the last real token before it
     (0 before the first): it is never attended to, so any position in range does.
+
+    Raises:
+        TypeError: not a bool tensor. ValueError: not 2-D ``(B, T)``.
     """
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
+        raise TypeError("attention_mask must be a bool tensor (B, T), True = a real token; got "
+                        f"{getattr(attention_mask, 'dtype', type(attention_mask).__name__)} (use mask.bool())")
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must have shape (B, T); got {tuple(attention_mask.shape)}")
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def _as_ids(name: str, prompt: object) -> torch.Tensor:
+    """One prompt (a tensor, or a list of ints) as a tensor, without rounding floats into ids."""
+    if isinstance(prompt, torch.Tensor):
+        return prompt
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+        raise TypeError(f"{name} must be a list or 1-D tensor of token ids; got {type(prompt).__name__} "
+                        f"{prompt!r:.40} (prompts is a list of prompts, each a list of ids)")
+    if len(prompt) == 0:
+        return torch.zeros(0, dtype=torch.long)
+    try:
+        return torch.tensor(list(prompt))  # floats stay floats: token_ids refuses them, not rounds them
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"{name} must hold integer token ids; got {list(prompt)[:8]!r}") from e
 
 
 def left_pad(prompts: Sequence[Sequence[int] | torch.Tensor], pad_id: int = 0, vocab_size: int | None = None,
@@ -82,17 +105,22 @@ def left_pad(prompts: Sequence[Sequence[int] | torch.Tensor], pad_id: int = 0, v
         ``(idx (B, T_max) int64, attention_mask (B, T_max) bool)``.
 
     Raises:
-        TypeError / ValueError: no prompts, an empty prompt (named by its index), ids that are not integers
-            or lie outside the vocabulary.
+        TypeError / ValueError: no prompts (or a string, or one prompt instead of a list of prompts), an
+            empty prompt (named by its index), ids that are not integers (floats are refused, not rounded) or
+            lie outside the vocabulary, prompts on different devices, ``vocab_size`` not an int >= 1.
     """
-    if isinstance(prompts, torch.Tensor) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+    if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ValueError(f"prompts must be a non-empty list of prompts; got {type(prompts).__name__}")
+    if vocab_size is not None:
+        positive_int("vocab_size", vocab_size)
     vocab = 2**62 if vocab_size is None else vocab_size  # without a vocabulary: ids must be integers >= 0
     rows = []
     for i, p in enumerate(prompts):
-        t = p if isinstance(p, torch.Tensor) else torch.tensor(list(p), dtype=torch.long)
+        t = _as_ids(f"prompts[{i}]", p)
         if t.dim() != 1 or t.numel() == 0:
             raise ValueError(f"prompts[{i}] must be a non-empty 1-D sequence of ids; got shape {tuple(t.shape)}")
+        if t.device != (rows[0].device if rows else t.device):
+            raise ValueError(f"prompts[{i}] is on {t.device} but prompts[0] is on {rows[0].device}")
         rows.append(token_ids(f"prompts[{i}]", t[None], vocab)[0])
     if isinstance(pad_id, bool) or not isinstance(pad_id, int):
         raise TypeError(f"pad_id must be an int; got {pad_id!r}")

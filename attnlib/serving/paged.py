@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from attnlib._checks import positive_int
+from attnlib._checks import non_negative_int, positive_int
 from attnlib.cache import KVCache, LayerCache
 
 __all__ = ["OutOfPages", "PageAllocator", "PagedKVCache", "PagedLayerCache"]
@@ -70,9 +70,12 @@ class PageAllocator:
         """Give ``seq`` pages from the free list until it can hold ``n_positions`` positions.
 
         Raises:
-            OutOfPages: the free list ran out (the pages taken so far stay with ``seq``).
+            TypeError / ValueError: ``n_positions`` not an int >= 0; an unknown ``seq``.
+            OutOfPages: the free list ran out (the pages taken so far stay with ``seq``;
+                :meth:`PagedLayerCache.update` checks the whole batch first, so a forward pass takes none).
         """
         table = self.table(seq)
+        non_negative_int("n_positions", n_positions)
         while len(table) < self.pages_for(n_positions):
             if not self.free:
                 raise OutOfPages(f"no free page for sequence {seq} ({self.n_pages} pages of {self.page_size} "
@@ -85,8 +88,20 @@ class PageAllocator:
         del self.tables[seq]
 
     def locate(self, seq: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Page and offset of each of ``positions`` (1-D int64) of ``seq``: ``(page ids, offsets)``."""
+        """Page and offset of each of ``positions`` (1-D int64) of ``seq``: ``(page ids, offsets)``.
+
+        Raises:
+            TypeError: ``positions`` not an integer tensor. ValueError: a position outside the pages ``seq``
+                holds (``[0, len(table) * page_size)``): negative indices would wrap around to another page.
+        """
         table = torch.tensor(self.table(seq), dtype=torch.long)
+        if not isinstance(positions, torch.Tensor) or positions.dtype == torch.bool \
+                or positions.is_floating_point() or positions.is_complex():
+            raise TypeError(f"positions must be an integer tensor; got {getattr(positions, 'dtype', type(positions).__name__)}")
+        held = len(table) * self.page_size
+        if positions.numel() and not bool(((positions >= 0) & (positions < held)).all()):
+            raise ValueError(f"positions must lie in [0, {held}) (sequence {seq} holds {len(table)} pages of "
+                             f"{self.page_size}); got {positions.min().item()}..{positions.max().item()}")
         return table[positions // self.page_size], positions % self.page_size
 
     @property
@@ -124,6 +139,10 @@ class PagedLayerCache(LayerCache):
         width = self.length + T_new
         if width > self.max_len:
             raise ValueError(f"a sequence would hold {width} positions; max_len={self.max_len}")
+        missing = sum(max(0, alloc.pages_for(self.lengths.get(s, 0) + T_new) - len(alloc.table(s))) for s in batch)
+        if missing > len(alloc.free):  # refused before any row is written: the cache stays consistent
+            raise OutOfPages(f"the batch needs {missing} more pages, {len(alloc.free)} free "
+                             f"({alloc.n_pages} pages of {alloc.page_size} positions)")
         out = {name: [] for name in new}
         for b, seq in enumerate(batch):
             start = self.lengths.get(seq, 0)
@@ -203,7 +222,13 @@ class PagedKVCache(KVCache):
         return self.allocator.new_sequence()
 
     def select(self, seqs: list[int]) -> PagedKVCache:
-        """Make ``seqs`` the rows of the next forward passes, in this order; returns the cache."""
+        """Make ``seqs`` the rows of the next forward passes, in this order; returns the cache.
+
+        Raises:
+            TypeError: ``seqs`` not a list of sequence ids. ValueError: an unknown id, or one twice.
+        """
+        if isinstance(seqs, (str, bytes)) or not isinstance(seqs, (list, tuple)):
+            raise TypeError(f"seqs must be a list of sequence ids (from add_sequence); got {type(seqs).__name__}")
         for s in seqs:
             self.allocator.table(s)  # raises for an unknown sequence
         if len(set(seqs)) != len(seqs):
@@ -224,10 +249,15 @@ class PagedKVCache(KVCache):
         return self.layers[0].lengths.get(seq, 0)
 
     def attention_mask(self, n_new: int) -> torch.Tensor:
-        """``(B, length + n_new)`` bool for the batch: each row's cached and new positions, right-aligned."""
-        width = self.length + n_new
-        lengths = torch.tensor([self.sequence_length(s) + n_new for s in self.batch])
-        return torch.arange(width)[None, :] >= (width - lengths)[:, None]
+        """``(B, length + n_new)`` bool for the batch: each row's cached and new positions, right-aligned.
+
+        On the device of the cached tensors. Raises TypeError / ValueError: ``n_new`` not an int >= 0.
+        """
+        width = self.length + non_negative_int("n_new", n_new)
+        pools = self.layers[0].buffers.values()
+        device = next(iter(pools)).device if pools else None
+        lengths = torch.tensor([self.sequence_length(s) + n_new for s in self.batch], device=device)
+        return torch.arange(width, device=device)[None, :] >= (width - lengths)[:, None]
 
     def reset(self) -> None:
         """Release every sequence of the batch (their pages go back to the free list)."""
