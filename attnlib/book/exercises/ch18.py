@@ -3,11 +3,12 @@
 * 18.1 ``check_retention_chunked``: ``retention_chunked(q, k, v, gamma, chunk_size)``, the chunked
   form of linear attention with a constant decay (RetNet's retention, Sun et al. 2023):
   ``S_t = γ S_{t-1} + k_t v_tᵀ``, ``o_t = S_tᵀ q_t``, checked against the token-by-token recurrence
-  for several lengths, chunk sizes and decays; an answer that loops over tokens is refused by
-  counting its tensor operations.
+  for several lengths, chunk sizes and decays (to float32 rounding); a wrong answer is probed for
+  reading the future; an answer that loops over tokens is refused by counting its tensor operations.
 * 18.2 ``check_sparse_decode_step``: ``sparse_decode_step(q, K, V, index_scores, top_k)``, one
   decoding step of top-k attention whose keys are chosen by an indexer's scores (as DeepSeek's
-  DSA), checked against dense attention over the chosen keys.
+  DSA), checked against dense attention over the chosen keys; a wrong answer's weights are read
+  back (one-hot values) to say how many and which keys it used, their sum and their scale.
 * 18.3 ``check_break_even_length``: ``break_even_length(n_heads, head_dim, n_kv_heads, kv_head_dim)``,
   the shortest sequence whose KV cache (one layer, K and V of ``n_kv_heads`` heads) holds more
   numbers than a gated DeltaNet state (``n_heads · head_dim²``); checked exactly.
@@ -77,7 +78,8 @@ def check_retention_chunked(retention_chunked) -> None:
         expect(isinstance(got, torch.Tensor) and tuple(got.shape) == (2, 3, T, 5),
                f"{case}: return a tensor of shape (..., T, d_v) = (2, 3, {T}, 5); got {getattr(got, 'shape', got)}")
         expected = _retention(q, k, v, gamma)
-        if torch.allclose(got.double(), expected, atol=1e-8):
+        tol = 1e-6 * expected.abs().max().item()  # float32 powers of gamma are fine: the algebra is checked
+        if torch.allclose(got.double(), expected, rtol=1e-5, atol=tol):
             chunks = -(-T // C)
             expect(T < 64 or counter.count <= 40 * chunks + 60,
                    f"{case}: {counter.count} tensor operations for {chunks} chunks: your code steps token by token; "
@@ -89,10 +91,19 @@ def check_retention_chunked(retention_chunked) -> None:
         expect(not torch.allclose(got.double(), _retention_slip(q, k, v, gamma, C, mask=False), atol=1e-8),
                f"{case}: future keys leak in: inside a chunk mask the decay matrix to s <= t (gamma**(t - s) "
                "for s > t is not zero)")
+        p = T // 2  # change the keys and values from position p on: the outputs before p must not move
+        k2, v2 = k.clone(), v.clone()
+        k2[..., p:, :], v2[..., p:, :] = -k2[..., p:, :], 2 * v2[..., p:, :]
+        again = retention_chunked(q, k2, v2, gamma, C)
+        expect(torch.allclose(again[..., :p, :].double(), got[..., :p, :].double(), atol=tol),
+               f"{case}: outputs before position {p} changed when the keys and values from {p} on changed: "
+               "a query reads the future; read the state of the earlier chunks before adding the chunk's "
+               "own keys to it, and inside the chunk keep s <= t only")
         first = min(C, T)
-        expect(not torch.allclose(got[..., :first, :].double(), expected[..., :first, :], atol=1e-8),
-               f"{case}: the first chunk is right but later ones are not: the state carried into a chunk must "
-               "decay by gamma**C over a chunk of C tokens, and query r of the chunk reads it with gamma**(r + 1)")
+        expect(not torch.allclose(got[..., :first, :].double(), expected[..., :first, :], rtol=1e-5, atol=tol),
+               f"{case}: the first chunk is right but later ones are not: between chunks, the state "
+               "decays by gamma**C over a chunk of C tokens, key s of the chunk enters it with "
+               "gamma**(C - 1 - s), and query r of the next chunk reads it with gamma**(r + 1)")
         expect(False, f"{case}: differs from the recurrence S_t = gamma S_(t-1) + k_t v_t^T, o_t = S_t^T q_t "
                       f"by {(got.double() - expected).abs().max().item():.3g}")
 
@@ -108,6 +119,39 @@ def _sparse_step(q, K, V, index_scores, top_k):
     return (w[..., None] * V_sel).sum(-2)
 
 
+def _diagnose_weights(sparse_decode_step, top_k: int) -> None:
+    """Read the weights an answer uses (values = the identity, so the output is the weights) and name
+    what is off: how many keys, which keys, their sum, the scale of the scores."""
+    g = torch.Generator().manual_seed(1821)
+    B, h, T = 2, 3, 12
+    q = torch.randn(B, h, T, generator=g, dtype=torch.float64)
+    K = torch.randn(B, h, T, T, generator=g, dtype=torch.float64)
+    V = torch.eye(T, dtype=torch.float64).expand(B, h, T, T).clone()  # value j = e_j
+    index_scores = torch.randn(B, T, generator=g, dtype=torch.float64)
+    w = sparse_decode_step(q, K, V, index_scores, top_k).double()  # (B, h, T): the weight of each key
+    n = min(top_k, T)
+    used = w.abs() > 1e-12
+    case = f"B={B}, h={h}, T={T}, d={T}, top_k={top_k}, values = one-hot vectors (your output = your weights)"
+    expect(bool((used.sum(-1) == n).all()),
+           f"{case}: you give weight to {sorted(set(used.sum(-1).flatten().tolist()))} keys per head; attend to "
+           f"exactly top_k = {n} (all T when top_k >= T)")
+    chosen = torch.zeros(B, T, dtype=torch.bool).scatter(-1, index_scores.topk(n, -1).indices, True)
+    expect(bool((used == chosen[:, None, :]).all()),
+           f"{case}: the keys with weight are not the top_k of highest index_scores of each sequence "
+           "(the same keys in every head of that sequence)")
+    expect(torch.allclose(w.sum(-1), torch.ones(B, h, dtype=torch.float64), atol=1e-8),
+           f"{case}: each head's weights sum to {w.sum(-1).flatten()[0].item():.4g}, not 1: softmax over the "
+           "chosen keys of that head")
+    s = (K @ q[..., None]).squeeze(-1)  # q·k per key
+    logw, ss = w.clamp_min(1e-300).log()[used].view(B, h, n), s[used].view(B, h, n)
+    if n > 1:
+        dl, ds = logw - logw.mean(-1, keepdim=True), ss - ss.mean(-1, keepdim=True)
+        slope = ((dl * ds).sum() / (ds * ds).sum()).item()
+        expect(abs(slope - T**-0.5) < 1e-6,
+               f"{case}: your weights are softmax({slope:.3g} x q·k), not softmax(q·k / sqrt(d)) with "
+               f"1/sqrt(d) = {T**-0.5:.3g}")
+
+
 @exercise("18.2")
 def check_sparse_decode_step(sparse_decode_step) -> None:
     """Check ``sparse_decode_step(q (B, h, d), K, V (B, h, T, d), index_scores (B, T), top_k) -> (B, h, d)``."""
@@ -117,6 +161,7 @@ def check_sparse_decode_step(sparse_decode_step) -> None:
         K, V = (torch.randn(B, h, T, d, generator=g, dtype=torch.float64) for _ in range(2))
         index_scores = torch.randn(B, T, generator=g, dtype=torch.float64)
         case = f"B={B}, h={h}, T={T}, d={d}, top_k={top_k}"
+        inputs = [t.clone() for t in (q, K, V, index_scores)]
         try:
             got = sparse_decode_step(q, K, V, index_scores, top_k)
         except RuntimeError as e:
@@ -128,6 +173,11 @@ def check_sparse_decode_step(sparse_decode_step) -> None:
             raise NotSolved("return the attention output (B, h, d), not None")
         expect(isinstance(got, torch.Tensor) and tuple(got.shape) == (B, h, d),
                f"{case}: return a tensor of shape (B, h, d) = {(B, h, d)}; got {getattr(got, 'shape', got)}")
+        expect(all(torch.equal(a, b) for a, b in zip(inputs, (q, K, V, index_scores))),
+               f"{case}: your code changed q, K, V or index_scores in place")
+        expect(not got.isnan().any(),
+               f"{case}: your output holds NaN: a softmax ran over a row whose entries are all -inf (the "
+               "wrong dimension?); take the softmax over the chosen keys of each head, the last dimension")
         expected = _sparse_step(q, K, V, index_scores, top_k)
         if torch.allclose(got.double(), expected, atol=1e-8):
             continue
@@ -147,6 +197,7 @@ def check_sparse_decode_step(sparse_decode_step) -> None:
         unscaled = _sparse_step(q * d**0.5, K, V, index_scores, top_k)
         expect(not torch.allclose(got.double(), unscaled, atol=1e-8),
                f"{case}: scale the scores q·k by 1/sqrt(d) before the softmax")
+        _diagnose_weights(sparse_decode_step, top_k)
         expect(False, f"{case}: differs from softmax attention over the top_k keys of highest index score "
                       f"by {(got.double() - expected).abs().max().item():.3g}")
 
