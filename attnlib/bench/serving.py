@@ -2,9 +2,13 @@
 
 Chapter 19. Three comparisons in one run, each a ratio:
 
-* **batching**: greedy tokens per second for a mix of prompts of different lengths, one prompt at a time
-  (``GPT.generate`` per prompt) against one left-padded batch (``generate(attention_mask=...)``) and
-  against continuous batching on the paged cache (:func:`attnlib.serving.serve`);
+* **batching**: greedy tokens per second for a mix of requests, prompts of different lengths each
+  asking for a different number of new tokens (from a quarter of ``new_tokens`` to twice it), one
+  at a time (``GPT.generate`` per request) against static batches of ``max_batch`` requests in
+  arrival order (left-padded, ``generate(attention_mask=...)``; a batch runs until its longest
+  request is done) and against continuous batching on the paged cache, at most ``max_batch``
+  requests at once (:func:`attnlib.serving.serve`: a finished request leaves and the next joins
+  at once). The decode steps each one takes are counted as well as timed;
 * **memory**: KV-cache positions (and bytes, for this model) that a mix of request lengths
   (:func:`attnlib.serving.request_lengths`) reserves: preallocated to ``block_size`` per request against
   pages taken as needed (:func:`attnlib.serving.cache_memory`);
@@ -54,13 +58,16 @@ def truncated(model: GPT, n_layers: int) -> GPT:
 
 def serving_rows(config: GPTConfig | None = None, n_prompts: int = 8, new_tokens: int = 32, draft_layers: int = 1,
                  n_draft: int = 4, page_size: int = 16, n_requests: int = 200, repeats: int = 3, seed: int = 0,
-                 device: str | torch.device | None = None, threads: int | None = None) -> list[dict]:
+                 device: str | torch.device | None = None, threads: int | None = None,
+                 max_batch: int = 4) -> list[dict]:
     """Measure the three comparisons (see the module's docstring).
 
     Args:
         config: the target model's shape (default :data:`TARGET`).
-        n_prompts: prompts of the batching comparison (lengths spread over ``[1, block_size / 4]``).
-        new_tokens: greedy tokens per prompt (batching) and per generation (speculative).
+        n_prompts: requests of the batching comparison (prompt lengths spread over ``[1, block_size / 4]``).
+        new_tokens: greedy tokens per generation (speculative); the batching requests ask for
+            ``new_tokens / 4`` to ``2 · new_tokens`` each.
+        max_batch: requests decoding together in a static batch and in continuous batching.
         draft_layers: blocks the draft keeps from the target.
         n_draft: draft tokens per round.
         page_size: positions per page (memory; continuous batching).
@@ -72,42 +79,64 @@ def serving_rows(config: GPTConfig | None = None, n_prompts: int = 8, new_tokens
 
     Returns:
         Dicts with ``comparison, baseline, method, unit, baseline_value, method_value, ratio, note``
-        (``ratio`` = method / baseline for speed, baseline / method for memory: above 1 is better).
+        (``ratio`` = method / baseline for speed, baseline / method for memory: above 1 is better);
+        the batching rows also have ``decode_steps`` (the method's) and ``baseline_decode_steps``.
     """
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch={max_batch!r} must be an int >= 1")
     with using_threads(threads):
         return _rows(config or TARGET, n_prompts, new_tokens, draft_layers, n_draft, page_size, n_requests, repeats,
-                     seed, resolve_device(device))
+                     seed, resolve_device(device), max_batch)
 
 
-def _rows(config, n_prompts, new_tokens, draft_layers, n_draft, page_size, n_requests, repeats, seed, device):
+def _batching_rows(target, config, n_prompts, new_tokens, page_size, repeats, g, device, max_batch):
+    """The two batching rows: static batches and continuous batching against one request at a time."""
+    budgets = torch.randint(max(1, new_tokens // 4), 2 * new_tokens + 1, (n_prompts,), generator=g).tolist()
+    longest = max(1, min(config.block_size // 4, config.block_size - max(budgets)))
+    lengths = torch.randint(1, longest + 1, (n_prompts,), generator=g).tolist()
+    prompts = [torch.randint(config.vocab_size, (n,), generator=g).to(device) for n in lengths]
+    waves = [range(i, min(i + max_batch, n_prompts)) for i in range(0, n_prompts, max_batch)]  # arrival order
+    outputs, steps = {}, {"alone": sum(budgets), "static": sum(max(budgets[i] for i in w) for w in waves)}
+
+    def one_at_a_time():
+        outputs["alone"] = [target.generate(p[None], n, temperature=0.0)[0, -n:] for p, n in zip(prompts, budgets)]
+
+    def static():
+        outs = []
+        for wave in waves:  # each batch decodes until its longest request is done
+            idx, mask = left_pad([prompts[i] for i in wave])
+            n = max(budgets[i] for i in wave)
+            new = target.generate(idx, n, temperature=0.0, attention_mask=mask)[:, -n:]
+            outs += [row[: budgets[i]] for row, i in zip(new, wave)]
+        outputs["static"] = outs
+
+    def continuous():
+        outs, trace = serve(target, prompts, budgets, max_batch=max_batch, page_size=page_size)
+        outputs["continuous"] = [o[-n:] for o, n in zip(outs, budgets)]
+        steps["continuous"] = len(trace)
+
+    s = time_calls({"alone": one_at_a_time, "static": static, "continuous": continuous}, repeats)
+    tokens = sum(budgets)
+    rows = []
+    for method, key in ((f"static batches of {max_batch} (left-padded)", "static"),
+                        (f"continuous, {max_batch} at once (paged)", "continuous")):
+        same = all(torch.equal(a, b) for a, b in zip(outputs["alone"], outputs[key]))
+        note = (f"{n_prompts} requests: prompts of {min(lengths)}-{max(lengths)} tokens, {min(budgets)}-{max(budgets)} "
+                f"new; decode steps {steps[key]} vs {steps['alone']}; same tokens: {same}")
+        rows.append(dict(comparison="batching", baseline="one at a time", method=method, unit="tokens/s",
+                         baseline_value=tokens / s["alone"], method_value=tokens / s[key], ratio=s["alone"] / s[key],
+                         decode_steps=steps[key], baseline_decode_steps=steps["alone"], note=note))
+    return rows, prompts
+
+
+def _rows(config, n_prompts, new_tokens, draft_layers, n_draft, page_size, n_requests, repeats, seed, device,
+          max_batch=4):
     torch.manual_seed(seed)
     target = GPT(config).to(device).eval()
     draft = truncated(target, draft_layers)  # checked before anything is timed
     g = torch.Generator().manual_seed(seed)
-    longest = max(1, min(config.block_size // 4, config.block_size - new_tokens))
-    lengths = torch.randint(1, longest + 1, (n_prompts,), generator=g).tolist()
-    prompts = [torch.randint(config.vocab_size, (n,), generator=g).to(device) for n in lengths]
-    idx, mask = left_pad(prompts)
+    rows, prompts = _batching_rows(target, config, n_prompts, new_tokens, page_size, repeats, g, device, max_batch)
     outputs = {}
-
-    def one_at_a_time():
-        outputs["alone"] = [target.generate(p[None], new_tokens, temperature=0.0)[0, -new_tokens:] for p in prompts]
-
-    def batched():
-        outputs["batched"] = target.generate(idx, new_tokens, temperature=0.0, attention_mask=mask)[:, -new_tokens:]
-
-    def continuous():
-        outs, _ = serve(target, prompts, new_tokens, max_batch=n_prompts, page_size=page_size)
-        outputs["continuous"] = [o[-new_tokens:] for o in outs]
-
-    s = time_calls({"alone": one_at_a_time, "batched": batched, "continuous": continuous}, repeats)
-    same = all(torch.equal(a, b) for a, b, c in zip(outputs["alone"], outputs["batched"], outputs["continuous"])) and \
-        all(torch.equal(a, c) for a, c in zip(outputs["alone"], outputs["continuous"]))
-    tokens = n_prompts * new_tokens
-    note = f"{n_prompts} prompts of {min(lengths)}-{max(lengths)} tokens; same tokens: {same}"
-    rows = [dict(comparison="batching", baseline="one at a time", method=method, unit="tokens/s",
-                 baseline_value=tokens / s["alone"], method_value=tokens / s[key], ratio=s["alone"] / s[key], note=note)
-            for method, key in (("left-padded batch", "batched"), ("continuous (paged)", "continuous"))]
 
     mix = request_lengths(n_requests, config.block_size, seed)
     m = cache_memory(mix, config.block_size, page_size, target.kv_cache_bytes_per_token())
@@ -155,8 +184,9 @@ def format_serving(rows: list[dict], settings: dict | None = None) -> str:
     if settings:
         c = settings.get("config") or {}
         parts.append(f"GPT (untrained): {c.get('n_layers')} layers, {c.get('n_heads')} heads, d_model {c.get('d_model')}, "
-                     f"vocabulary {c.get('vocab_size')}, block {c.get('block_size')}; {settings.get('new_tokens')} greedy "
-                     f"tokens; median of {settings.get('repeats')} runs.")
+                     f"vocabulary {c.get('vocab_size')}, block {c.get('block_size')}; batching: "
+                     f"{settings.get('n_prompts')} requests, {settings.get('max_batch')} at once; speculative: "
+                     f"{settings.get('new_tokens')} greedy tokens; median of {settings.get('repeats')} runs.")
     parts.append("ratio: method/baseline speed, or baseline/method memory (above 1: the method wins). The draft is the "
                  "target's first layers (self-speculative); a trained pair's acceptance is chapter 19's.")
     parts.append(format_table(rows, COLUMNS))
@@ -167,14 +197,15 @@ def _add_arguments(parser) -> None:
     for flag, default, what in (("--prompts", 8, "prompts of different lengths"), ("--tokens", 32, "new tokens each"),
                                 ("--draft-layers", 1, "layers of the self-speculative draft"),
                                 ("--n-draft", 4, "tokens drafted per target pass"), ("--page-size", 16, "positions a page"),
-                                ("--requests", 200, "request lengths in the memory comparison")):
+                                ("--requests", 200, "request lengths in the memory comparison"),
+                                ("--max-batch", 4, "requests decoding together (static and continuous batching)")):
         parser.add_argument(flag, type=int, default=None, help=f"{what} (default {default}; smaller with --small)")
     parser.add_argument("--seed", type=int, default=0)
 
 
 def _check(parser, args) -> None:
-    small = dict(prompts=6, tokens=16, draft_layers=1, n_draft=4, page_size=16, requests=200)
-    full = dict(prompts=8, tokens=32, draft_layers=1, n_draft=4, page_size=16, requests=200)
+    small = dict(prompts=6, tokens=16, draft_layers=1, n_draft=4, page_size=16, requests=200, max_batch=3)
+    full = dict(prompts=8, tokens=32, draft_layers=1, n_draft=4, page_size=16, requests=200, max_batch=4)
     for key, default in (small if args.small else full).items():
         if getattr(args, key) is None:
             setattr(args, key, default)
@@ -188,11 +219,11 @@ def _check(parser, args) -> None:
 def _run(args, device):
     settings = dict(config=dataclasses.asdict(args.config), n_prompts=args.prompts, new_tokens=args.tokens,
                     draft_layers=args.draft_layers, n_draft=args.n_draft, page_size=args.page_size,
-                    n_requests=args.requests, seed=args.seed, repeats=args.repeats)
+                    n_requests=args.requests, seed=args.seed, repeats=args.repeats, max_batch=args.max_batch)
     rows = serving_rows(args.config, n_prompts=args.prompts, new_tokens=args.tokens, draft_layers=args.draft_layers,
                         n_draft=args.n_draft, page_size=args.page_size, n_requests=args.requests,
-                        repeats=args.repeats, seed=args.seed, device=device)
-    summary = {row["comparison"]: row["ratio"] for row in rows}
+                        repeats=args.repeats, seed=args.seed, device=device, max_batch=args.max_batch)
+    summary = {row["comparison"]: row["ratio"] for row in rows}  # batching: continuous batching's ratio
     return settings, rows, format_serving(rows, settings), summary
 
 
