@@ -82,6 +82,22 @@ def test_block_tables_and_the_free_list():
         alloc.ensure(c, 17)
 
 
+def test_slots_of_a_batch_are_each_sequences_pages_right_aligned():
+    """The batch's flat slots, worked out by hand from the block tables (page * page_size + offset)."""
+    alloc = PageAllocator(n_pages=6, page_size=3)
+    a, b = alloc.new_sequence(), alloc.new_sequence()
+    alloc.ensure(b, 2)  # page 0
+    alloc.ensure(a, 7)  # pages 1, 2, 3
+    slots, held = alloc.slots([a, b], [7, 2], width=8)
+    assert held.tolist() == [[False] + [True] * 7, [False] * 6 + [True] * 2]
+    assert slots[0, 1:].tolist() == [3, 4, 5, 6, 7, 8, 9]  # page 1 (3, 4, 5), page 2 (6, 7, 8), page 3 (9)
+    assert slots[1, 6:].tolist() == [0, 1]  # page 0
+    assert slots[~held].eq(0).all()
+    alloc.ensure(b, 4)  # page 4 joins b's table: its first slots stay where they were
+    later, _ = alloc.slots([a, b], [7, 4], width=8)
+    assert later[1, 4:].tolist() == [0, 1, 2, 12]
+
+
 def test_paged_memory_wastes_less_than_a_page_per_request():
     lengths = request_lengths(200, 1024, seed=0)
     m = cache_memory(lengths, max_len=1024, page_size=16, bytes_per_token=10)

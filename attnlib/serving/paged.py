@@ -104,6 +104,32 @@ class PageAllocator:
                              f"{self.page_size}); got {positions.min().item()}..{positions.max().item()}")
         return table[positions // self.page_size], positions % self.page_size
 
+    def slots(self, seqs: list[int], lengths: list[int], width: int,
+              device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where positions ``0 … lengths[b] - 1`` of each of ``seqs`` live, right-aligned in rows of ``width``.
+
+        Returns ``(slots, held)``, both ``(len(seqs), width)``: ``slots`` the flat index
+        ``page * page_size + offset`` into the pool viewed as ``(n_pages * page_size, …)`` (int64),
+        ``held`` bool, False in each row's left padding (whose slot is 0). One gather for the whole
+        batch, as :meth:`locate` gives one sequence's pages and offsets. The sequences must hold
+        their pages (:meth:`ensure`) and ``lengths[b] <= width``. The last answer is kept: every layer
+        of a forward pass asks the same (a sequence's first pages never change while it lives, and ids
+        are never reused).
+        """
+        key = (tuple(seqs), tuple(lengths), width, device)
+        if getattr(self, "_slots", (None,))[0] == key:
+            return self._slots[1]
+        tables = [self.table(seq) for seq in seqs]
+        most = max(len(table) for table in tables)
+        table = torch.tensor([t + [0] * (most - len(t)) for t in tables], dtype=torch.long, device=device)
+        n = torch.tensor(lengths, dtype=torch.long, device=device)
+        position = torch.arange(width, device=device)[None, :] - (width - n)[:, None]  # < 0: left padding
+        held = position >= 0
+        position = position.clamp(min=0)
+        slots = table.gather(1, position // self.page_size) * self.page_size + position % self.page_size
+        self._slots = (key, (slots.masked_fill(~held, 0), held))
+        return self._slots[1]
+
     @property
     def pages_used(self) -> int:
         return self.n_pages - len(self.free)
@@ -143,20 +169,22 @@ class PagedLayerCache(LayerCache):
         if missing > len(alloc.free):  # refused before any row is written: the cache stays consistent
             raise OutOfPages(f"the batch needs {missing} more pages, {len(alloc.free)} free "
                              f"({alloc.n_pages} pages of {alloc.page_size} positions)")
-        out = {name: [] for name in new}
-        for b, seq in enumerate(batch):
-            start = self.lengths.get(seq, 0)
+        starts = [self.lengths.get(seq, 0) for seq in batch]
+        for seq, start in zip(batch, starts):
             alloc.ensure(seq, start + T_new)  # the first layer takes the pages; the others find them
-            pages, offsets = alloc.locate(seq, torch.arange(start + T_new))
-            for name, t in new.items():
-                pool = self.pool(name, t)
-                row = t[b].movedim(-2, 0)  # (..., T_new, w) -> (T_new, ..., w)
-                pool[pages[start:], offsets[start:]] = row  # write the new positions into their pages
-                past = pool[pages, offsets].movedim(0, -2)  # gather: (start + T_new, ...) -> (..., start + T_new, w)
-                pad = past.new_zeros(*past.shape[:-2], width - past.shape[-2], past.shape[-1])
-                out[name].append(torch.cat([pad, past], dim=-2))  # right-aligned: the left padding is masked
+        device = next(iter(new.values())).device
+        slots, held = alloc.slots(batch, [start + T_new for start in starts], width, device)  # (B, width) each
+        new_slots = slots[:, width - T_new:].flatten()  # right-aligned: each row's last T_new are its new positions
+        out = []
+        for name, t in new.items():
+            pool = self.pool(name, t).flatten(0, 1)  # (n_pages * page_size, ..., w): a view of the pages
+            pool[new_slots] = t.movedim(-2, 1).flatten(0, 1)  # write: (B, ..., T_new, w) -> (B * T_new, ..., w)
+            past = pool[slots.flatten()].unflatten(0, slots.shape)  # gather: (B, width, ..., w)
+            past = past.masked_fill(~held.view(*held.shape, *[1] * (past.dim() - 2)), 0)  # left padding: zeros
+            out.append(past.movedim(1, -2).contiguous())  # (B, ..., width, w)
+        for seq, start in zip(batch, starts):
             self.lengths[seq] = start + T_new
-        return tuple(torch.stack(rows) for rows in out.values())  # (B, ..., width, w)
+        return tuple(out)
 
     def pool(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """The pages of ``name``, ``(n_pages, page_size, *t.shape[1:-2], width)``, allocated on first use."""
