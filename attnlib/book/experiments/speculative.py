@@ -4,18 +4,20 @@
 Tiny Shakespeare (characters): a target (4 layers, width 128) and a draft (1 layer, width 32), then,
 for prompts from the validation text, measures per ``n_draft`` and temperature: the acceptance rate,
 tokens per target pass, tokens/s of plain decoding and of :func:`attnlib.generate.speculative_generate`
-(one thread), and whether greedy output equals the target's own. Results go to one JSON file (default:
+(one thread; medians of ``--repeats`` rounds alternating the two), and whether greedy output equals the
+target's own. Results go to one JSON file (default:
 the package's ``speculative.json``, read by chapter 19 with ``attnlib.book.results.load("speculative")``).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-import time
 
 import torch
 
+from attnlib.bench._common import time_calls
 from attnlib.config import GPTConfig
 from attnlib.data import load_char_corpus
 from attnlib.generate import speculative_generate
@@ -28,27 +30,32 @@ TARGET = dict(n_layers=4, n_heads=4, d_model=128, block_size=128)
 DRAFT = dict(n_layers=1, n_heads=2, d_model=32, block_size=128)
 
 
-def measure(target, draft, prompts, new_tokens, n_draft, temperature, seed=0) -> dict:
-    """Acceptance and speed over ``prompts`` (each ``(1, T)``) for one setting."""
-    g = torch.Generator().manual_seed(seed)
-    totals, same = {"drafted": 0, "accepted": 0, "target_calls": 0}, True
-    t_plain = t_spec = 0.0
-    for p in prompts:
-        t0 = time.perf_counter()
-        plain = target.generate(p, new_tokens, temperature=temperature, generator=g)
-        t1 = time.perf_counter()
-        out, st = speculative_generate(target, draft, p, new_tokens, n_draft=n_draft, temperature=temperature,
-                                       generator=g, return_stats=True)
-        t_spec += time.perf_counter() - t1
-        t_plain += t1 - t0
-        same &= temperature > 0 or torch.equal(out, plain)
-        for k in totals:
-            totals[k] += st[k]
+def measure(target, draft, prompts, new_tokens, n_draft, temperature, seed=0, repeats=5) -> dict:
+    """Acceptance and speed over ``prompts`` (each ``(1, T)``) for one setting.
+
+    The counts come from one pass over the prompts; the times are medians of ``repeats`` rounds
+    that alternate plain and speculative decoding (:func:`attnlib.bench.time_calls`), each round
+    with the same seeded generator, so a change in the machine's load hits both alike.
+    """
+
+    def plain():
+        g = torch.Generator().manual_seed(seed)
+        return [target.generate(p, new_tokens, temperature=temperature, generator=g) for p in prompts]
+
+    def speculative():
+        g = torch.Generator().manual_seed(seed)
+        return [speculative_generate(target, draft, p, new_tokens, n_draft=n_draft, temperature=temperature,
+                                     generator=g, return_stats=True) for p in prompts]
+
+    plain_out, spec_out = plain(), speculative()
+    totals = {k: sum(st[k] for _, st in spec_out) for k in ("drafted", "accepted", "target_calls")}
+    same = all(torch.equal(out, ref) for (out, _), ref in zip(spec_out, plain_out))
+    seconds = time_calls({"plain": plain, "speculative": speculative}, repeats=repeats, warmup=0)
     n = len(prompts) * new_tokens
     return dict(n_draft=n_draft, temperature=temperature, acceptance_rate=totals["accepted"] / totals["drafted"],
-                tokens_per_target_call=n / totals["target_calls"], plain_tokens_per_s=n / t_plain,
-                speculative_tokens_per_s=n / t_spec, speedup=t_plain / t_spec,
-                same_as_target_greedy=bool(same) if temperature == 0 else None)
+                tokens_per_target_call=n / totals["target_calls"], plain_tokens_per_s=n / seconds["plain"],
+                speculative_tokens_per_s=n / seconds["speculative"], speedup=seconds["plain"] / seconds["speculative"],
+                same_as_target_greedy=same if temperature == 0 else None)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -56,6 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-iters", type=int, default=1500)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per setting (median)")
     parser.add_argument("--out", default="attnlib/book/results/speculative.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -73,11 +81,12 @@ def main(argv: list[str] | None = None) -> dict:
         models[name].eval()
     starts = torch.linspace(0, len(corpus.val) - 64, args.prompts).long().tolist()
     prompts = [corpus.val[s:s + 32][None] for s in starts]
-    rows = [measure(models["target"], models["draft"], prompts, args.new_tokens, k, temp)
+    rows = [measure(models["target"], models["draft"], prompts, args.new_tokens, k, temp, repeats=args.repeats)
             for temp in (0.0, 0.8) for k in (1, 2, 4, 6)]
     given = sys.argv[1:] if argv is None else argv
     result = dict(command=" ".join(["python -m attnlib.book.experiments.speculative", *given]),
                   max_iters=args.max_iters, new_tokens=args.new_tokens, prompts=args.prompts, threads=1,
+                  repeats=args.repeats, load_average=list(os.getloadavg()),
                   models=histories, rows=rows)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
