@@ -122,6 +122,28 @@ def in_place(logits, targets, eps, pad_id):
     return smoothed(logits, targets, eps, pad_id)
 
 
+def zeroed_but_counted(logits, targets, eps, pad_id):  # divides by B * T
+    logp = logits.log_softmax(-1)
+    nll = -logp.gather(-1, targets[..., None])[..., 0]
+    loss = (1 - eps) * nll - eps * logp.mean(-1)
+    return (loss * (targets != pad_id)).sum() / targets.numel()
+
+
+def eps_on_every_token(logits, targets, eps, pad_id):  # sum over the vocabulary, not mean
+    logp = logits.log_softmax(-1)
+    nll = -logp.gather(-1, targets[..., None])[..., 0]
+    loss = (1 - eps) * nll - eps * logp.sum(-1)
+    return loss[targets != pad_id].mean()
+
+
+def kl_divergence(logits, targets, eps, pad_id):  # the Annotated Transformer's KLDivLoss
+    logp = logits.log_softmax(-1)
+    q = torch.full_like(logp, eps / logits.shape[-1])
+    q.scatter_add_(-1, targets[..., None], torch.full_like(logp[..., :1], 1 - eps))
+    kl = (q * (q.log() - logp)).sum(-1)
+    return kl[targets != pad_id].mean()
+
+
 def test_10_2_correct():
     assert grade("10.2", smoothed).status == "correct"
 
@@ -134,6 +156,9 @@ def test_10_2_correct():
     (summed, "sum over positions"),
     (probabilities_not_logs, "smoothed loss"),
     (in_place, "in place"),
+    (zeroed_but_counted, "not by B * T"),
+    (eps_on_every_token, "eps/|V| each"),
+    (kl_divergence, "KL divergence"),
 ])
 def test_10_2_wrong(answer, phrase):
     verdict = grade("10.2", answer)
@@ -174,16 +199,32 @@ def float_mask(tgt, pad_id):
     return mask(tgt, pad_id).float()
 
 
+def inverted(tgt, pad_id):  # True = masked, as nn.MultiheadAttention's key_padding_mask
+    return ~mask(tgt, pad_id)
+
+
+def rows_and_keys(tgt, pad_id):  # padding queries masked as well as padding keys
+    return mask(tgt, pad_id) & (tgt != pad_id)[:, None, :, None]
+
+
+def strictly_lower(tgt, pad_id):  # tril(-1): a query cannot see itself
+    T = tgt.shape[1]
+    return torch.ones(T, T, dtype=torch.bool).tril(-1) & (tgt != pad_id)[:, None, None, :]
+
+
 def test_10_3_correct():
     assert grade("10.3", mask).status == "correct"
 
 
 @pytest.mark.parametrize("answer, phrase", [
-    (padding_queries, "padding KEYS"),
+    (padding_queries, "padding QUERIES (rows)"),
     (causal_only, "padding KEYS"),
     (upper_triangle, "lower triangle"),
     (no_head_axis, "(B, 1, T, T)"),
     (float_mask, "boolean tensor"),
+    (inverted, "inverted"),
+    (rows_and_keys, "padding QUERIES (rows) were masked too"),
+    (strictly_lower, "diagonal is masked"),
 ])
 def test_10_3_wrong(answer, phrase):
     verdict = grade("10.3", answer)

@@ -124,6 +124,20 @@ def check_smoothed_loss(answer) -> None:
         smoothed = (1 - eps) * nll + eps * (-logp.mean(-1))
         expect(not torch.allclose(out, smoothed[keep].sum().double(), atol=1e-5),
                f"{what}: that is the sum over positions; take the mean over the non-padding ones")
+        expect(not torch.allclose(out, (smoothed * keep).sum().double() / keep.numel(), atol=1e-5),
+               f"{what}: the padding positions were zeroed but still counted: divide by the number "
+               f"of non-padding positions, not by B * T")
+        summed_vocab = (1 - eps) * nll + eps * (-logp.sum(-1))
+        expect(not torch.allclose(out, summed_vocab[keep].mean().double(), atol=1e-5),
+               f"{what}: eps was put on every token (the sum of -log p over the vocabulary); "
+               f"it is spread evenly, eps/|V| each: take the mean over the vocabulary")
+        q = torch.full_like(logp, eps / V)
+        q.scatter_add_(-1, flat_t[:, None], torch.full_like(logp[:, :1], 1 - eps))
+        entropy = -(q * q.log()).sum(-1)  # (N,): H(q), what KL(q || p) leaves out
+        expect(not torch.allclose(out, (smoothed - entropy)[keep].mean().double(), atol=1e-5),
+               f"{what}: that is the KL divergence KL(q || p) (nn.KLDivLoss, as in the Annotated "
+               f"Transformer), the cross-entropy minus the entropy of q; the loss asked for is "
+               f"the cross-entropy -sum q log p")
         expect_close(out, ref.double(), f"the smoothed loss for {what}", atol=1e-5)
 
 
@@ -154,8 +168,18 @@ def check_decoder_mask(answer) -> None:
                "return a boolean tensor (True = may attend)")
         expect(tuple(out.shape) == (B, 1, T, T), f"the shape should be (B, 1, T, T) = {(B, 1, T, T)}, "
                f"got {tuple(out.shape)}")
+        expect(not torch.equal(out, ~ref), "True must mean 'may attend': that mask is inverted (True = "
+               "masked, the convention of nn.MultiheadAttention's key_padding_mask); return its negation")
         if T > 1:
             expect(not out[:, :, 0, 1:].any(), "position 0 may only see itself: use the lower triangle (tril)")
+        real_query = (tgt != pad_id)[:, None, :, None]  # (B, 1, T, 1)
+        expect(not torch.equal(out, ref & real_query) or torch.equal(ref & real_query, ref),
+               "padding QUERIES (rows) were masked too: a padding row then has no key at all "
+               "(softmax over all -inf is NaN); mask only the padding keys, (B, 1, 1, T)")
+        no_diagonal = ref & ~torch.eye(T, dtype=torch.bool)
+        expect(not torch.equal(out, no_diagonal),
+               "the diagonal is masked: query i may attend key j for j <= i, itself included "
+               "(tril with diagonal=0)")
         pad_key = ~(tgt != pad_id)[:, None, None, :].expand_as(ref)
         expect(not (out & pad_key).any(), "a padding token must never be attended to: mask the padding KEYS (columns)")
         rows = torch.ones(T, T, dtype=torch.bool).tril() & (tgt != pad_id)[:, None, :, None]
