@@ -144,6 +144,10 @@ def longest_context_no_batch(budget_bytes, B, n_heads, dtype):
     return math.isqrt(budget_bytes // (n_heads * dtype.itemsize))
 
 
+def longest_context_four_bytes(budget_bytes, B, n_heads, dtype):  # float32's size for every dtype
+    return math.isqrt(budget_bytes // (B * n_heads * 4))
+
+
 def longest_context_rounded(budget_bytes, B, n_heads, dtype):
     return round(math.sqrt(budget_bytes / (B * n_heads * dtype.itemsize)))
 
@@ -244,6 +248,7 @@ def test_reference_answer_is_correct(exercise_id, answer):
         ("15.2", longest_context_bits, "bits"),
         ("15.2", longest_context_no_heads, "n_heads"),
         ("15.2", longest_context_no_batch, "sequences"),
+        ("15.2", longest_context_four_bytes, "you counted 4 bytes per score"),
         ("15.2", longest_context_rounded, "round down"),
         ("15.2", longest_context_returns_float, "Python int"),
         ("15.3", causal_tile_kind_top_left, "top-left"),

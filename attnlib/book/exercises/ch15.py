@@ -140,6 +140,9 @@ def check_longest_context(longest_context) -> None:
                f"{case}, expected {expected:,}: every one of the n_heads={n_heads} heads has its own T x T scores")
         expect(got != math.isqrt(budget // (n_heads * size)),
                f"{case}, expected {expected:,}: every one of the B={B} sequences has its own scores")
+        expect(size == 4 or got != _longest(budget * size // 4, B, n_heads, dtype),
+               f"{case}, expected {expected:,}: you counted 4 bytes per score; a {dtype} number takes "
+               f"{size} bytes (dtype.itemsize)")
         used = B * n_heads * got * got * size
         expect(used <= budget, f"{case}: {got} x {got} scores take {used:,} bytes, more than the budget: round down")
         expect(False, f"{case}, expected {expected:,}: the largest T with B x n_heads x T x T x bytes <= budget_bytes "
