@@ -84,6 +84,18 @@ def suspicious_last(steps, val_loss, floor_bits=1.0):  # the last step below the
     return below[-1] if below else None
 
 
+def suspicious_at_or_below(steps, val_loss, floor_bits=1.0):  # <= where the rule says below
+    for step, loss in zip(steps, val_loss):
+        if loss <= floor_bits * math.log(2):
+            return step
+    return None
+
+
+def suspicious_step_before(steps, val_loss, floor_bits=1.0):  # off by one evaluation, early
+    step = first_suspicious_step(steps, val_loss, floor_bits)
+    return None if step is None else steps[max(steps.index(step) - 1, 0)]
+
+
 def suspicious_stub(steps, val_loss, floor_bits=1.0):
     raise NotImplementedError("convert the floor to nats and scan the curve")
 
@@ -209,6 +221,8 @@ def seed_verdict_stub(losses_a, losses_b, z=2.0):
         ("13.2", suspicious_index, WRONG),
         ("13.2", suspicious_false, WRONG),
         ("13.2", suspicious_last, WRONG),
+        ("13.2", suspicious_at_or_below, WRONG),
+        ("13.2", suspicious_step_before, WRONG),
         ("13.2", suspicious_stub, NOT_SOLVED),
         ("13.3", seed_verdict, CORRECT),
         ("13.3", seed_verdict_statistics, CORRECT),
@@ -244,6 +258,8 @@ def test_verdicts(exercise_id, answer, status):
         ("13.2", suspicious_divides, "you divided"),
         ("13.2", suspicious_index, "not its index"),
         ("13.2", suspicious_false, "return None"),
+        ("13.2", suspicious_at_or_below, "not <="),
+        ("13.2", suspicious_step_before, "the first validation loss below"),
         ("13.3", seed_verdict_means_only, "by the means alone"),
         ("13.3", seed_verdict_swapped, "higher* loss"),
         ("13.3", seed_verdict_population_sd, "divide by n - 1"),

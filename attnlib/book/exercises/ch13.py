@@ -97,6 +97,9 @@ _STEPS_250 = list(range(0, 5001, 250))
 _CURVE_250 = [4.19, 2.52, 2.31, 2.20, 2.12, 2.05, 1.98, 1.95, 1.61, 1.42, 1.38, 1.36, 1.33, 1.30, 1.27,
               1.25, 1.24, 1.22, 1.21, 1.20, 1.19]
 
+# losses exactly at 2 bits and at 1 bit (2 ln 2 and ln 2 nats), each followed by lower ones
+_CURVE_TOUCH = [4.2, 2.3, 1.9, 1.5, 2 * LN2, 1.2, 0.9, LN2, 0.6]
+
 _CASES_13_2 = [
     ("the source's `causal` run, floor 1 bit", _STEPS_100, _SOURCE_CAUSAL, 1.0),
     ("the source's `causal` run, floor 2.5 bits", _STEPS_100, _SOURCE_CAUSAL, 2.5),
@@ -105,6 +108,8 @@ _CASES_13_2 = [
     ("a run evaluated every 250 steps, floor 2 bits", _STEPS_250, _CURVE_250, 2.0),
     ("a run evaluated every 250 steps, floor 1.5 bits", _STEPS_250, _CURVE_250, 1.5),
     ("a run evaluated every 250 steps, floor 0.5 bits", _STEPS_250, _CURVE_250, 0.5),
+    ("a curve that touches 2 bits, floor 2 bits", _STEPS_250[:9], _CURVE_TOUCH, 2.0),
+    ("a curve that touches 1 bit, floor 1 bit", _STEPS_250[:9], _CURVE_TOUCH, 1.0),
 ]
 
 
@@ -115,40 +120,60 @@ def _first_below(steps: list[int], losses: list[float], floor: float, strict: bo
     return None
 
 
+def _after(steps: list[int], step):
+    """The evaluation step after ``step`` (None if ``step`` is None or the last)."""
+    if step is None or steps.index(step) + 1 >= len(steps):
+        return None
+    return steps[steps.index(step) + 1]
+
+
+def _index(steps: list[int], step):
+    return None if step is None else steps.index(step)
+
+
+_MISTAKES_13_2 = [  # (what a plausible wrong rule returns, the hint that names it)
+    (lambda steps, losses, fb: _first_below(steps, losses, fb),
+     "the losses are in nats and the floor in bits; convert the floor to nats "
+     "(floor_bits * ln 2) before comparing"),
+    (lambda steps, losses, fb: _first_below(steps, losses, fb / LN2),
+     "to turn bits into nats multiply by ln 2 (you divided)"),
+    (lambda steps, losses, fb: _first_below(steps, losses, fb * LN2, strict=False),
+     "a loss equal to the floor is not below it; compare with <, not <="),
+    (lambda steps, losses, fb: _index(steps, _first_below(steps, losses, fb * LN2)),
+     "return the step (an entry of `steps`), not its index in the list"),
+    (lambda steps, losses, fb: _after(steps, _first_below(steps, losses, fb * LN2)),
+     "you returned the step after the first one below the floor"),
+]
+
+
 @exercise("13.2")
 def check_first_suspicious_step(fn) -> None:
     """Check ``first_suspicious_step(steps, val_loss, floor_bits)`` on typed-in loss curves."""
+    got_all = []
     for what, steps, losses, floor_bits in _CASES_13_2:
         expected = _first_below(steps, losses, floor_bits * LN2)
         got = fn(list(steps), list(losses), floor_bits)
-        if expected is None:
-            if got is None:
-                continue
-            expect(got is not False and not (isinstance(got, int) and got < 0),
+        if got is not None:
+            expect(not (expected is None and (got is False or got == -1)),
                    f"{what}: when no loss is below the floor, return None (not {got!r})")
-            if got == _first_below(steps, losses, floor_bits):
-                expect(False, f"{what}: the losses are in nats and the floor in bits; convert the floor to nats "
-                              f"(floor_bits * ln 2) before comparing")
-            expect(False, f"{what}: no validation loss is below {floor_bits} bits = {floor_bits * LN2:.4f} nats, "
-                          f"so return None; got {got!r}")
-        expect(got is not None, f"{what}: the loss falls below {floor_bits} bits = {floor_bits * LN2:.4f} nats "
-                                f"at step {expected}, but you returned None")
-        expect(_is_real(got) and not isinstance(got, float),
-               f"{what}: return the step as an int from `steps`; got {type(got).__name__}")
-        got = int(got)
-        if got == expected:
-            continue
-        if got == steps.index(expected):
-            expect(False, f"{what}: return the step (an entry of `steps`, here {expected}), not its index {got}")
-        if got == _first_below(steps, losses, floor_bits):
-            expect(False, f"{what}: the losses are in nats and the floor in bits; convert the floor to nats "
-                          f"(floor_bits * ln 2) before comparing")
-        if got == _first_below(steps, losses, floor_bits / LN2):
-            expect(False, f"{what}: to turn bits into nats multiply by ln 2 (you divided)")
-        if expected in steps and steps.index(expected) + 1 < len(steps) and got == steps[steps.index(expected) + 1]:
-            expect(False, f"{what}: you returned the step after the first one below the floor ({expected})")
-        expect(False, f"{what}: the first validation loss below {floor_bits * LN2:.4f} nats is at step {expected}; "
-                      f"you returned {got}")
+            expect(_is_real(got) and not isinstance(got, float),
+                   f"{what}: return the step as an int from `steps`, or None; got {got!r}")
+            got = int(got)
+        got_all.append(got)
+    cases = _CASES_13_2
+    expected_all = [_first_below(s, v, fb * LN2) for _, s, v, fb in cases]
+    if got_all == expected_all:
+        return
+    for mistake, hint in _MISTAKES_13_2:
+        if got_all == [mistake(s, v, fb) for _, s, v, fb in cases]:
+            expect(False, hint)
+    i = next(i for i, (g, e) in enumerate(zip(got_all, expected_all)) if g != e)
+    what, steps, losses, floor_bits = cases[i]
+    if expected_all[i] is None:
+        expect(False, f"{what}: no validation loss is below {floor_bits} bits = "
+                      f"{floor_bits * LN2:.4f} nats, so return None; got {got_all[i]!r}")
+    expect(False, f"{what}: the first validation loss below {floor_bits * LN2:.4f} nats is at "
+                  f"step {expected_all[i]}; you returned {got_all[i]!r}")
 
 
 # ------------------------------------------------------------------------------------------ 13.3
