@@ -95,7 +95,7 @@ def _split(t, n_heads):
 
 
 def _step(layer, x_new, cache, rope, *, scale_width=None, q_shift=0, rotate_key=True,
-          use_rope=True, decode_keys=False):
+          use_rope=True, decode_keys=False, see_self=True):
     c_cache, kr_cache = cache
     t = c_cache.shape[1]  # tokens already cached: the new token's position
     h, hd = layer.n_heads, layer.head_dim
@@ -115,8 +115,11 @@ def _step(layer, x_new, cache, rope, *, scale_width=None, q_shift=0, rotate_key=
     if use_rope:
         scores = scores + q_r @ k_r.unsqueeze(1).transpose(-2, -1)
     width = scale_width(layer) if scale_width else hd + layer.rope_dim
+    keys = c
+    if not see_self and t > 0:  # attends over the old cache only, appends afterwards
+        scores, keys = scores[..., :t], c[:, :t]
     weights = (scores / math.sqrt(width)).softmax(-1)  # one query sees every cached key
-    y_latent = weights @ c.unsqueeze(1)  # (B, h, 1, d_c)
+    y_latent = weights @ keys.unsqueeze(1)  # (B, h, 1, d_c)
     w_uv = layer.v_up.weight.view(h, hd, -1)  # W^UV_h
     y = torch.einsum("bhtc,hdc->bhtd", y_latent, w_uv)  # (B, h, 1, hd)
     out = layer.out_proj(y.transpose(1, 2).reshape(x_new.shape[0], 1, -1))
@@ -151,6 +154,10 @@ def decode_step_decoded_keys(layer, x_new, cache, rope):
     return _step(layer, x_new, cache, rope, decode_keys=True)
 
 
+def decode_step_attends_before_appending(layer, x_new, cache, rope):
+    return _step(layer, x_new, cache, rope, see_self=False)
+
+
 REFERENCE = [("07.1", absorbed_scores), ("07.2", fold_query), ("07.3", absorbed_decode_step)]
 
 
@@ -179,6 +186,7 @@ def test_reference_answer_is_correct(exercise_id, answer):
         ("07.3", decode_step_key_unrotated, "cached unrotated"),
         ("07.3", decode_step_no_rope, "rotary part is missing"),
         ("07.3", decode_step_decoded_keys, "never compute k_up(cache)"),
+        ("07.3", decode_step_attends_before_appending, "does not attend to itself"),
     ],
 )
 def test_plausible_mistake_is_wrong(exercise_id, answer, hint):
