@@ -105,6 +105,15 @@ def gqa_attention_top_left(q, k, v):
     return torch.einsum("bkgqs,bksd->bkgqd", scores.softmax(dim=-1), v).reshape(B, n_heads, T_q, head_dim)
 
 
+def gqa_attention_unscaled(q, k, v):
+    B, n_heads, T_q, head_dim = q.shape
+    n_kv_heads, T_k = k.shape[1], k.shape[2]
+    q = q.reshape(B, n_kv_heads, n_heads // n_kv_heads, T_q, head_dim)
+    scores = torch.einsum("bkgqd,bksd->bkgqs", q, k)  # no 1/sqrt(head_dim)
+    scores = scores.masked_fill(~causal_mask(T_q, T_k), float("-inf"))
+    return torch.einsum("bkgqs,bksd->bkgqd", scores.softmax(dim=-1), v).reshape(B, n_heads, T_q, head_dim)
+
+
 # ---------------------------------------------------------------- 06.3
 def _pool_with(mha, n_kv_heads, pool):
     """A MultiHeadAttention with n_kv_heads whose key/value rows are pool(rows of one projection)."""
@@ -209,6 +218,7 @@ def test_reference_answer_is_correct(exercise_id, answer):
         ("06.2", gqa_attention_sdpa, "calls F.scaled_dot_product_attention"),
         ("06.2", gqa_attention_wrong_groups, "i // group_size"),
         ("06.2", gqa_attention_top_left, "top-left"),
+        ("06.2", gqa_attention_unscaled, "not scaled"),
         ("06.3", pool_kv_heads_first, "kept one head of each group"),
         ("06.3", pool_kv_heads_sum, "summed the heads"),
         ("06.3", pool_kv_heads_tiled, "i % n_kv_heads reading"),

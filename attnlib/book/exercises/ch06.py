@@ -130,8 +130,8 @@ _GQA_CASES = [  # (B, n_heads, n_kv_heads, T_q, T_k, head_dim)
 ]
 
 
-def _reference(q, k, v, mask):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+def _reference(q, k, v, mask, scale=None):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
 
 
 def _call_own_attention(gqa_attention, q, k, v):
@@ -185,6 +185,8 @@ def check_gqa_attention(gqa_attention) -> None:
                 T_q == 1 or not torch.allclose(got, unmasked, atol=1e-5, rtol=1e-4),
                 f"{case}: no causal mask: query i must not see keys after position T_k - T_q + i",
             )
+            expect(not torch.allclose(got, _reference(q, k, v, causal_mask(T_q, T_k), 1.0), atol=1e-5, rtol=1e-4),
+                   f"{case}: the scores are not scaled: divide q . k by sqrt(head_dim) before the softmax")
             expect_close(got, expected, f"{case}: your output")
 
     # A decoding step: one query per head over a long cache. A copy of K or V would be n_heads / n_kv_heads
