@@ -77,6 +77,10 @@ def hard_coded_unk(word, vocab, unk="[UNK]", max_chars=100):
         word, vocab, unk, max_chars)
 
 
+def unk_at_max_chars(word, vocab, unk="[UNK]", max_chars=100):  # >= instead of >
+    return [unk] if len(word) >= max_chars else wordpiece(word, vocab, unk, max_chars)
+
+
 def test_11_1_reference_is_correct():
     assert grade("11.1", wordpiece).status == CORRECT
 
@@ -87,6 +91,7 @@ def test_11_1_reference_is_correct():
     (unk_only_the_part, "WHOLE word"),
     (ignores_max_chars, "max_chars"),
     (hard_coded_unk, "'<unk>'"),
+    (unk_at_max_chars, "exactly max_chars"),
 ])
 def test_11_1_mistakes_are_wrong(answer, phrase):
     verdict = grade("11.1", answer)

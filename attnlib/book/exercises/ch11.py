@@ -54,6 +54,7 @@ def _wordpiece_cases(g: torch.Generator) -> list[tuple[str, set[str], str, int]]
              ("abcd", {"a", "ab", "##c", "[UNK]"}, "[UNK]", 100),
              ("bab", {"a", "b", "##a", "[UNK]"}, "[UNK]", 100),
              ("abab", {"a", "b", "##a", "##b", "ab", "##ab", "<unk>"}, "<unk>", 3),
+             ("abab", {"a", "b", "##a", "##b", "ab", "##ab", "<unk>"}, "<unk>", 4),
              ("a", {"a", "[UNK]"}, "[UNK]", 100)]
     letters = "abcd"
     for _ in range(40):
@@ -93,6 +94,9 @@ def check_wordpiece_encode(answer) -> None:
         if expected == [unk]:
             expect(False, f"{what} gave {got}, but no cut of the word from the left by longest pieces "
                           f"reaches its end: the answer is [{unk!r}]")
+        if got == [unk] and len(word) == max_chars:
+            expect(False, f"{what} gave {got}: the word has exactly max_chars characters; only a "
+                          f"LONGER word is [{unk!r}] whole; expected {expected}")
         if got == _shortest_first(word, frozen, unk):
             expect(False, f"{what} gave {got}: take the LONGEST piece in the vocabulary at each step, "
                           f"not the first one that fits; expected {expected}")
