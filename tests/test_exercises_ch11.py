@@ -134,6 +134,10 @@ def ascii_letters(text):  # Python's re without \p{L}: naïve, café and 日本�
                       text)
 
 
+def word_chars(text):  # \w instead of \p{L}: letters, digits and '_' in one piece
+    return regex.findall(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\w+| ?[^\s\w]+|\s+(?!\S)|\s+""", text)
+
+
 def test_11_2_reference_is_correct():
     assert grade("11.2", gpt2_pre_split).status == CORRECT
 
@@ -143,7 +147,8 @@ def test_11_2_reference_is_correct():
     (space_after, "AFTER it"),
     (no_lookahead, "\\s+(?!\\S)"),
     (no_contractions, "contractions"),
-    (ascii_letters, "should be"),
+    (ascii_letters, "any script"),
+    (word_chars, "\\w mixes them"),
 ])
 def test_11_2_mistakes_are_wrong(answer, phrase):
     verdict = grade("11.2", answer)

@@ -157,6 +157,16 @@ def check_gpt2_pre_split(answer) -> None:
         if [p for p in got if p in contractions] != [p for p in expected if p in contractions]:
             expect(False, f"{what} gave {got}: contractions ('s, 't, 're, 've, 'm, 'll, 'd) are "
                           f"pieces of their own")
+        cuts = {sum(map(len, expected[:k])) for k in range(1, len(expected))}
+        got_cuts = {sum(map(len, got[:k])) for k in range(1, len(got))}
+        if any(text[b - 1].isalpha() and text[b].isalpha() for b in got_cuts - cuts):
+            expect(False, f"{what} gave {got}: a run of letters of any script is one piece "
+                          f"(\\p{{L}}, which [A-Za-z] is not)")
+        if any(text[b - 1].isalpha() != text[b].isalpha()
+               and (text[b - 1] in "_0123456789" or text[b] in "_0123456789")
+               for b in cuts - got_cuts):
+            expect(False, f"{what} gave {got}: letters (\\p{{L}}), digits (\\p{{N}}) and other "
+                          f"symbols such as '_' are separate pieces (\\w mixes them)")
         for k in range(len(expected) - 1):
             ws, nxt = expected[k], expected[k + 1]
             if ws.isspace() and nxt[:1] == " " and not nxt.isspace() and ws + " " in got:
