@@ -131,6 +131,12 @@ def top_p_one_too_many(logits, p):
     return logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
 
 
+def top_p_strict_before(logits, p):  # drops a token only when the tokens before it exceed p
+    probs, order = logits.softmax(dim=-1).sort(dim=-1, descending=True)
+    drop = probs.cumsum(dim=-1) - probs > p
+    return logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+
+
 def top_p_stub(logits, p):
     raise NotImplementedError("sort the probabilities and keep the shortest prefix that reaches p")
 
@@ -191,6 +197,7 @@ def test_param_count_hints(answer, hint):
         ("12.3", top_p_drops_crossing, "always stays"),
         ("12.3", top_p_no_scatter, "vocabulary order"),
         ("12.3", top_p_one_too_many, "one token too many"),
+        ("12.3", top_p_strict_before, "one token too many"),
     ],
 )
 def test_filter_hints(exercise_id, answer, hint):
