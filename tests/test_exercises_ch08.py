@@ -64,6 +64,15 @@ class RingEvictsNewest(RingCache):
         return self.k[..., :n, :], self.v[..., :n, :]
 
 
+class RingLastSlots(RingCache):
+    """Writes slot t % window, but returns the last n slots, empty ones while filling."""
+
+    def update(self, k, v):
+        k_win, _ = super().update(k, v)
+        n = k_win.shape[-2]
+        return self.k[..., self.window - n :, :], self.v[..., self.window - n :, :]
+
+
 class RingCat:
     """Right values, but a new tensor at every step."""
 
@@ -140,6 +149,32 @@ def cached_attention_appends_in_place(q, k_cache, v_cache):
     out = cached_attention(q, k_cache, v_cache)
     k_cache.zero_()
     return out
+
+
+def _cached_attention_diagonal(q, k_cache, v_cache, shift, dim=-1):
+    group = q.shape[1] // k_cache.shape[1]
+    k = k_cache.repeat_interleave(group, dim=1)
+    v = v_cache.repeat_interleave(group, dim=1)
+    T_new, T_k = q.shape[-2], k.shape[-2]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    mask = torch.ones(T_new, T_k, dtype=torch.bool).tril(diagonal=T_k - T_new + shift)
+    return scores.masked_fill(~mask, float("-inf")).softmax(dim=dim).nan_to_num() @ v
+
+
+def cached_attention_hides_itself(q, k_cache, v_cache):  # tril(diagonal=T_k - T_new - 1)
+    return _cached_attention_diagonal(q, k_cache, v_cache, -1)
+
+
+def cached_attention_sees_next(q, k_cache, v_cache):  # tril(diagonal=T_k - T_new + 1)
+    return _cached_attention_diagonal(q, k_cache, v_cache, 1)
+
+
+def cached_attention_softmax_over_queries(q, k_cache, v_cache):
+    return _cached_attention_diagonal(q, k_cache, v_cache, 0, dim=-2)
+
+
+def cached_attention_divided_by_head_dim(q, k_cache, v_cache):
+    return cached_attention(q / math.sqrt(q.shape[-1]), k_cache, v_cache)
 
 
 # ---------------------------------------------------------------- 08.3
@@ -293,12 +328,17 @@ def test_stub_is_not_solved():
         ("08.1", RingOffByOne, "off by one"),
         ("08.1", RingEvictsNewest, "replacing the oldest"),
         ("08.1", RingCat, "new memory"),
+        ("08.1", RingLastSlots, "the filled ones"),
         ("08.1", RingShared, "on the instance"),
         ("08.2", cached_attention_is_causal, "top-left"),
         ("08.2", cached_attention_no_mask, "a mask is needed"),
         ("08.2", cached_attention_tiled, "repeat_interleave"),
         ("08.2", cached_attention_unscaled, "sqrt(head_dim)"),
         ("08.2", cached_attention_appends_in_place, "changed q, k_cache or v_cache"),
+        ("08.2", cached_attention_hides_itself, "hides the new token from itself"),
+        ("08.2", cached_attention_sees_next, "see the one after it"),
+        ("08.2", cached_attention_softmax_over_queries, "over the queries' axis"),
+        ("08.2", cached_attention_divided_by_head_dim, "divided by head_dim"),
         ("08.3", kv_cache_bytes_n_heads_everywhere, "GQA caches n_kv_heads key/value heads"),
         ("08.3", kv_cache_bytes_given_sizes, "config.kv_heads and config.latent_dim"),
         ("08.3", kv_cache_bytes_mqa_all_heads, "one key/value head"),

@@ -143,7 +143,8 @@ def check_ring_cache(ring_cache_class) -> None:
                 raise Wrong(
                     f"{step}: the returned keys/values are not those of the last {n} "
                     f"positions ({max(0, t - window + 1)}..{t}); position t belongs in slot "
-                    "t % window, replacing the oldest one"
+                    "t % window, replacing the oldest one, and the slots to return are the "
+                    "filled ones, buffer[..., :t + 1, :], until the ring is full"
                 )
             full_bytes = math.prod(lead) * window * width * k_t.element_size()
             nbytes = k_win.untyped_storage().nbytes()
@@ -189,8 +190,11 @@ _ATTENTION_CASES = [  # (B, n_heads, n_kv_heads, T_new, T_k, head_dim)
 ]
 
 
-def _last_rows(q_full, k, v, T_new, scale=None, mask="causal", kv="interleave"):
-    """The last T_new rows of causal attention over all T_k positions (or a known mistake)."""
+def _last_rows(q_full, k, v, T_new, scale=None, mask="causal", kv="interleave", over=-1):
+    """The last T_new rows of causal attention over all T_k positions (or a known mistake).
+
+    ``mask`` may be an int: the bottom-right mask shifted by that many diagonals; ``over``
+    is the axis of the softmax (-1, the keys, is right)."""
     group = q_full.shape[1] // k.shape[1]
     if kv == "interleave":  # head i reads kv head i // group
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -203,9 +207,15 @@ def _last_rows(q_full, k, v, T_new, scale=None, mask="causal", kv="interleave"):
         "top_left": torch.ones(T_new, T_k, dtype=torch.bool).tril(),
         "none": None,
     }
+    if isinstance(mask, int):  # a diagonal off: -1 hides the token itself, +1 shows the next
+        masks[mask] = torch.ones(T_new, T_k, dtype=torch.bool).tril(T_k - T_new + mask)
     mask = masks[mask]
     mask = None if mask is None else mask[None, None]  # (T_new, T_k) -> the scores' rank
-    return attention(q, k, v, mask=mask, scale=scale)[0]
+    if over == -1:
+        return attention(q, k, v, mask=mask, scale=scale)[0]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, h, T_new, T_k)
+    scores = scores if mask is None else scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(dim=over).nan_to_num() @ v
 
 
 @exercise("08.2")
@@ -259,9 +269,26 @@ def check_cached_attention(cached_attention) -> None:
                 f"{case}: with several new tokens a mask is needed: new token i must not see "
                 "the new tokens after it (bottom-right causal mask, causal_mask(T_new, T_k))",
             )
+        for shift, what in ((-1, "hides the new token from itself"),
+                            (1, "lets a new token see the one after it")):
+            expect(
+                not _close(got, _last_rows(q_full, k, v, T_new, mask=shift)),
+                f"{case}: your mask is off by one diagonal: it {what}. New token i "
+                f"(of {T_new}) sees positions 0..T_k - T_new + i, itself included: "
+                "tril(diagonal=T_k - T_new)",
+            )
+        expect(
+            not _close(got, _last_rows(q_full, k, v, T_new, over=-2)),
+            f"{case}: the softmax runs over the queries' axis; each query's weights must "
+            "sum to 1 over the keys: softmax(dim=-1)",
+        )
         expect(
             not _close(got, _last_rows(q_full, k, v, T_new, scale=1.0)),
             f"{case}: the scores are not scaled; divide q @ k^T by sqrt(head_dim)",
+        )
+        expect(
+            not _close(got, _last_rows(q_full, k, v, T_new, scale=1.0 / head_dim)),
+            f"{case}: the scores are divided by head_dim; divide by sqrt(head_dim)",
         )
         expect_close(got, expected, f"{case}: the outputs of the new tokens")
 
