@@ -229,6 +229,21 @@ def kv_cache_bytes_no_factor_2(config, batch_size, context, dtype):
     return kv_cache_bytes(config, batch_size, context, dtype) // 2
 
 
+def kv_cache_bytes_group_size(config, batch_size, context, dtype):
+    """GQA: the group size n_heads // kv_heads where the number of kv heads belongs."""
+    if config.attention == "gqa":
+        per_layer = 2 * (config.n_heads // config.kv_heads) * config.head_dim
+        return per_layer * config.n_layers * batch_size * context * dtype.itemsize
+    return kv_cache_bytes(config, batch_size, context, dtype)
+
+
+def kv_cache_bytes_mla_rope_key(config, batch_size, context, dtype):
+    """MLA: DeepSeek-V2's decoupled RoPE key (d_h / 2) added to the latent."""
+    extra = config.head_dim // 2 if config.attention == "mla" else 0
+    per_token = kv_cache_bytes(config, 1, 1, dtype) + extra * config.n_layers * dtype.itemsize
+    return per_token * batch_size * context
+
+
 def kv_cache_bytes_one_layer(config, batch_size, context, dtype):
     return kv_cache_bytes(config, batch_size, context, dtype) // config.n_layers
 
@@ -350,6 +365,8 @@ def test_stub_is_not_solved():
         ("08.3", kv_cache_bytes_reserved, "block_size"),
         ("08.3", kv_cache_bytes_mla_twice, "latent once"),
         ("08.3", kv_cache_bytes_tensor, "Python int"),
+        ("08.3", kv_cache_bytes_group_size, "'gqa' 2*kv_heads*head_dim"),
+        ("08.3", kv_cache_bytes_mla_rope_key, "no decoupled RoPE key"),
         ("08.3", kv_cache_bytes_builds_a_model, "do not build a model"),
         ("08.4", chunked_prefill_no_cache, "got no cache"),
         ("08.4", chunked_prefill_cache_per_chunk, "different caches"),

@@ -90,6 +90,7 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
     The expected value is measured: bytes per token of a KVCache filled by the layers
     (meta device), times batch_size * context.
     """
+    failures = []  # (case, {mistake: hint} of the mistakes that explain it)
     for config in _BYTES_CONFIGS:
         measured = {}
         for batch_size, context, dtype in _BYTES_CALLS:
@@ -115,30 +116,36 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
             case = f"{case} = {got:,}, expected {expected:,}"
             every = config.n_layers * tokens * size
             mistakes = [
-                (per_layer * tokens * size, "multiply by n_layers: every layer has its own cache"),
+                ("layers", per_layer * tokens * size, "multiply by n_layers: every layer has its own cache"),
                 (
+                    "batch",
                     per_layer * config.n_layers * context * size,
                     "multiply by batch_size: every sequence has its own cache",
                 ),
                 (
+                    "context",
                     per_layer * config.n_layers * batch_size * size,
                     "multiply by context: one entry per token",
                 ),
                 (
+                    "bits",
                     expected * 8,
                     "that is bits, not bytes: dtype.itemsize is already in bytes "
                     f"({dtype} takes {size})",
                 ),
                 (
+                    "itemsize",
                     per_layer * config.n_layers * tokens,
                     f"multiply by the bytes of one number: {dtype} takes {size} "
                     "(dtype.itemsize)",
                 ),
                 (
+                    "four",
                     per_layer * config.n_layers * tokens * 4,
                     f"{dtype} takes {size} bytes per number, not 4 (dtype.itemsize)",
                 ),
                 (
+                    "reserved",
                     per_layer * config.n_layers * batch_size * config.block_size * size,
                     "count the context tokens, not the block_size positions that KVCache "
                     "reserves up front",
@@ -148,19 +155,27 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
             all_heads = 2 * config.n_heads * config.head_dim * every
             if name == "mqa":
                 mistakes.append(
-                    (all_heads, "MQA has one key/value head (config.kv_heads is 1), not n_heads")
+                    ("all_heads", all_heads, "MQA has one key/value head (config.kv_heads is 1), not n_heads")
                 )
             if name == "gqa":
                 mistakes.append(
-                    (all_heads, "GQA caches n_kv_heads key/value heads, not n_heads")
+                    ("all_heads", all_heads, "GQA caches n_kv_heads key/value heads, not n_heads")
                 )
             if name == "mla":
                 mistakes += [
                     (
+                        "mla_twice",
                         2 * config.latent_dim * every,
                         "MLA caches the latent once: keys and values are both decoded from it",
                     ),
                     (
+                        "mla_rope",
+                        (config.latent_dim + config.head_dim // 2) * every,
+                        "attnlib's MLA has no decoupled RoPE key (DeepSeek-V2's d_h^R): it "
+                        "caches config.latent_dim numbers per token and layer",
+                    ),
+                    (
+                        "all_heads",
                         all_heads,
                         "MLA caches only the latent, config.latent_dim numbers per token "
                         "and layer",
@@ -168,15 +183,29 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
                 ]
             if name in ("mha", "talking_heads", "gqa", "mqa"):
                 mistakes.append(
-                    (per_layer // 2 * every, "keys AND values are cached: a factor 2")
+                    ("factor_2", per_layer // 2 * every, "keys AND values are cached: a factor 2")
                 )
-            for value, hint in mistakes:
-                expect(value == expected or got != value, f"{case}: {hint}")
-            raise Wrong(
-                f"{case}. Numbers per token per layer: 'mha' and 'talking_heads' "
-                "2*n_heads*head_dim, 'gqa' 2*kv_heads*head_dim, 'mqa' 2*head_dim, "
-                "'mla' latent_dim"
-            )
+            explained = {
+                key: hint
+                for key, value, hint in mistakes
+                if value == got and value != expected
+            }
+            failures.append((case, explained))
+    if not failures:
+        return
+    # name a mistake only if it explains every failing case
+    common = set.intersection(*(set(explained) for _, explained in failures))
+    case, explained = failures[0]
+    for key in explained:
+        if key in common:
+            raise Wrong(f"{case}: {explained[key]}")
+    raise Wrong(
+        f"{case}. Numbers per token per layer: 'mha' and 'talking_heads' "
+        "2*n_heads*head_dim, 'gqa' 2*kv_heads*head_dim, 'mqa' 2*head_dim, "
+        "'mla' latent_dim"
+    )
+
+
 
 
 # ---------------------------------------------------------------- 08.4
