@@ -206,8 +206,6 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
     )
 
 
-
-
 # ---------------------------------------------------------------- 08.4
 _CHUNK_CASES = [  # (attention, overrides, B, T, chunk_size)
     ("mha", {}, 2, 11, 4),
