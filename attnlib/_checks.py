@@ -188,3 +188,9 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index
     total = F.cross_entropy(logits.reshape(flat.numel(), logits.shape[-1]), flat, ignore_index=ignore_index, reduction="sum")
     counted = (flat != ignore_index).sum().clamp(min=1)  # every target ignored: 0 / 1, not 0 / 0
     return total / counted
+
+
+def generator_or_none(generator: object) -> None:
+    """Raise TypeError unless ``generator`` is a ``torch.Generator`` or ``None`` (sampling's random numbers)."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")

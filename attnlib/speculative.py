@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlib._checks import eval_mode, positive_int
+from attnlib._checks import eval_mode, generator_or_none, positive_int
 from attnlib.cache import KVCache
 from attnlib.decoding import check_decoding, check_prompt, decoder_vocab_size
 
@@ -66,11 +66,6 @@ def verify_drafts(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, greedy
     return n, torch.multinomial(residual, 1, generator=generator)[:, 0]
 
 
-def _check_generator(generator: object) -> None:
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
-
-
 def _check_verify(p: object, q: object, drafts: object, greedy: object, generator: object) -> None:
     """The argument checks of :func:`verify_drafts` (see its Raises)."""
     for name, t in (("p", p), ("q", q)):
@@ -82,7 +77,7 @@ def _check_verify(p: object, q: object, drafts: object, greedy: object, generato
         raise TypeError(f"drafts must be an integer tensor (N, k); got {getattr(drafts, 'dtype', type(drafts).__name__)}")
     if not isinstance(greedy, bool):
         raise TypeError(f"greedy must be a bool; got {greedy!r}")
-    _check_generator(generator)
+    generator_or_none(generator)
     if drafts.dim() != 2 or p.dim() != 3:
         raise ValueError(f"drafts must be (N, k) and p (N, k + 1, V); got {tuple(drafts.shape)} and {tuple(p.shape)}")
     (N, k), V = drafts.shape, p.shape[-1]
@@ -138,7 +133,7 @@ def speculative_generate(target, draft, idx: torch.Tensor, max_new_tokens: int, 
         raise ValueError(f"draft and target must share a vocabulary; draft vocab_size={draft_vocab}, "
                          f"target vocab_size={vocab}")
     positive_int("n_draft", n_draft)
-    _check_generator(generator)
+    generator_or_none(generator)
     check_decoding(vocab, max_new_tokens, temperature=temperature)
     idx = check_prompt(idx, vocab, batch=1)
     longest = idx.shape[1] + max_new_tokens

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from attnlib._checks import positive_int, token_ids
+from attnlib._checks import generator_or_none, positive_int, token_ids
 from attnlib.decoding import check_decoding, decoder_vocab_size, stop_mask
 from attnlib.sampling import sample_next_token
 from attnlib.serving.padding import _as_ids
@@ -116,8 +116,7 @@ def serve(model, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens
     stops = check_decoding(vocab, 1, temperature=temperature, stop_tokens=stop_tokens)
     positive_int("max_batch", max_batch)
     positive_int("page_size", page_size)
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
+    generator_or_none(generator)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, torch.Tensor)) or len(prompts) == 0:
         raise ValueError(f"prompts must be a non-empty list of prompts; got {type(prompts).__name__}")
     device = next(model.parameters()).device
