@@ -130,7 +130,7 @@ def _batching_rows(target, config, n_prompts, new_tokens, page_size, repeats, g,
 
 
 def _rows(config, n_prompts, new_tokens, draft_layers, n_draft, page_size, n_requests, repeats, seed, device,
-          max_batch=4):
+          max_batch):
     torch.manual_seed(seed)
     target = GPT(config).to(device).eval()
     draft = truncated(target, draft_layers)  # checked before anything is timed
