@@ -66,6 +66,21 @@ def non_negative_int(name: str, value: object) -> int:
     return value
 
 
+def batch_rows(index: object, n_rows: int | None) -> torch.Tensor:
+    """Check ``index``, rows of a batch of ``n_rows`` to keep (beam search's reorder); return it.
+
+    Raises:
+        TypeError: not an integer tensor. ValueError: not 1-D, or a row outside ``[0, n_rows)``.
+    """
+    if not isinstance(index, torch.Tensor) or index.dtype == torch.bool or index.is_floating_point() \
+            or index.is_complex():
+        raise TypeError(f"index must be a 1-D integer tensor of batch rows; got {getattr(index, 'dtype', type(index).__name__)}")
+    if index.dim() != 1 or (n_rows is not None and index.numel() and index.device.type != "meta"
+                            and not bool(((index >= 0) & (index < n_rows)).all())):
+        raise ValueError(f"index must be a 1-D tensor of rows of the cached batch of {n_rows}; got {index.tolist()}")
+    return index
+
+
 def _integer_dtype(name: str, ids: torch.Tensor) -> None:
     if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
         raise TypeError(f"{name} must hold integer token ids (e.g. torch.long); got dtype {ids.dtype}")

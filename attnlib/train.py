@@ -18,7 +18,7 @@ import argparse
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -212,13 +212,13 @@ def train(
 
 def save_checkpoint(path: str | Path, model: nn.Module, **extra) -> None:
     """Save the model's config and weights (and any JSON-able ``extra``) to ``path``."""
-    torch.save({"config": asdict(model.config), "state_dict": model.state_dict(), **extra}, path)
+    torch.save({"config": model.config.to_dict(), "state_dict": model.state_dict(), **extra}, path)
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu"):
     """Rebuild the :class:`attnlib.GPT` saved by :func:`save_checkpoint`; returns ``(model, extra)``."""
-    from attnlib.config import GPTConfig
-    from attnlib.model import GPT
+    from attnlib.models.config import GPTConfig
+    from attnlib.models.decoder import GPT
 
     ckpt = torch.load(path, map_location=map_location, weights_only=True)
     model = GPT(GPTConfig(**ckpt.pop("config")))
@@ -228,7 +228,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu"):
 
 def _parser() -> argparse.ArgumentParser:
     from attnlib import _cli
-    from attnlib.config import GPTConfig
+    from attnlib.models.config import GPTConfig
 
     m, t = GPTConfig(), TrainConfig()
     p = argparse.ArgumentParser(prog="python -m attnlib.train", description=main.__doc__)
@@ -256,9 +256,9 @@ def main(argv: list[str] | None = None) -> History:
 
     Every flag (sizes, rates, sampling, device, output directory) is checked before training: exit 2.
     """
-    from attnlib.config import GPTConfig
     from attnlib.data import FILENAME, load_char_corpus
-    from attnlib.model import GPT
+    from attnlib.models.config import GPTConfig
+    from attnlib.models.decoder import GPT
 
     p = _parser()
     args = p.parse_args(argv)

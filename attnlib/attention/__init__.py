@@ -1,31 +1,42 @@
-"""Attention: the functions (one signature, by name) and the modules built on them.
+"""Attention: the functions (one signature, by name), their masks, and the layers built on them.
 
-:data:`ATTENTION_FUNCTIONS` maps ``"eager"``, ``"sdpa"``, ``"tiled"`` to functions
-``(q, k, v, mask=None, *, is_causal, scale, dropout_p, score_mod) -> (output, weights)``;
-:data:`ATTENTION_REGISTRY` maps a :class:`attnlib.GPTConfig`'s ``attention`` name to a
-builder of the layer.
+* functions, one signature ``(q, k, v, mask=None, *, is_causal, scale, dropout_p, score_mod) -> (output,
+  weights)``, by name in :data:`ATTENTION_FUNCTIONS`: :func:`attention` (eager, chapters 02–04),
+  :func:`sdpa_attention`, :func:`tiled_attention` and :func:`flash_attention` (chapter 15);
+* masks and mask/score modifications: :mod:`~attnlib.attention.masks` (chapter 03),
+  :mod:`~attnlib.attention.mods` (windows, chunks, ALiBi, soft-capping; chapter 17);
+* layers: :class:`MultiHeadAttention` (MHA, GQA, MQA, cross-attention, RoPE, QK-norm, windows;
+  chapters 04, 06, 09, 16, 17), :class:`TalkingHeadsAttention` (05), :class:`MultiHeadLatentAttention`
+  (07), the single heads of chapters 02–04 (:mod:`~attnlib.attention.teaching`), and chapter 18's
+  :class:`LinearAttention`, :class:`GatedDeltaNet`, :class:`GatedAttention`, :class:`TopKAttention`.
 """
 from attnlib.attention.deltanet import GatedDeltaNet, gated_delta_rule
 from attnlib.attention.flash import flash_attention
-from attnlib.attention.functions import ATTENTION_FUNCTIONS, get_attention_function
+from attnlib.attention.functions import attention, check_attention_inputs, sdpa_attention
 from attnlib.attention.latent import MultiHeadLatentAttention
 from attnlib.attention.linear import FEATURE_MAPS, LinearAttention, linear_attention
+from attnlib.attention.masks import (
+    causal_mask,
+    check_attention_mask,
+    combined_mask,
+    mask_from_mod,
+    mask_positions,
+    masked_softmax,
+    padding_mask,
+)
 from attnlib.attention.multi_head import KV_SHARING, MultiHeadAttention
-from attnlib.attention.registry import ATTENTION_REGISTRY, build_attention
-from attnlib.attention.rotary import RotaryAttention
+from attnlib.attention.registry import ATTENTION_FUNCTIONS, get_attention_function
 from attnlib.attention.sparse import GatedAttention, LightningIndexer, TopKAttention, topk_attention, topk_mask
 from attnlib.attention.talking_heads import BiasedTalkingHeadsAttention, TalkingHeadsAttention
-from attnlib.attention.target import TargetAttention
 from attnlib.attention.teaching import CausalAttention, MultiHeadAttentionWrapper, SelfAttentionV1, SelfAttentionV2
 from attnlib.attention.tiled import online_softmax, online_softmax_update, tiled_attention
 
 __all__ = [
     "ATTENTION_FUNCTIONS",
-    "ATTENTION_REGISTRY",
+    "FEATURE_MAPS",
     "KV_SHARING",
     "BiasedTalkingHeadsAttention",
     "CausalAttention",
-    "FEATURE_MAPS",
     "GatedAttention",
     "GatedDeltaNet",
     "LightningIndexer",
@@ -33,19 +44,26 @@ __all__ = [
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
     "MultiHeadLatentAttention",
-    "RotaryAttention",
     "SelfAttentionV1",
     "SelfAttentionV2",
     "TalkingHeadsAttention",
-    "TargetAttention",
     "TopKAttention",
-    "build_attention",
+    "attention",
+    "causal_mask",
+    "check_attention_inputs",
+    "check_attention_mask",
+    "combined_mask",
     "flash_attention",
     "gated_delta_rule",
     "get_attention_function",
     "linear_attention",
+    "mask_from_mod",
+    "mask_positions",
+    "masked_softmax",
     "online_softmax",
     "online_softmax_update",
+    "padding_mask",
+    "sdpa_attention",
     "tiled_attention",
     "topk_attention",
     "topk_mask",

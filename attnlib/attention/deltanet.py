@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlib._checks import divisible, finite_number, positive_int, probability
-from attnlib.attention.linear import check_recurrent_input, read_state, write_state
-from attnlib.cache import LayerCache
+from attnlib.attention.linear import RecurrentLayer, check_recurrent_input
+from attnlib.cache.recurrent import RecurrentState
 
 __all__ = ["DELTA_MODES", "GatedDeltaNet", "gated_delta_rule"]
 
@@ -169,7 +169,7 @@ def _chunked(q, k, v, beta, g, S, C):
     return torch.cat(outs, dim=2)[:, :, :T].to(dtype), S.to(dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(RecurrentLayer):
     """A gated DeltaNet layer with the GPT block's attention interface (Qwen3-Next's linear layer). Chapter 18.
 
     ``x → q, k, v`` (one fused projection; q and k L2-normalised per head), ``β = σ(W_b x)``,
@@ -185,9 +185,6 @@ class GatedDeltaNet(nn.Module):
     Raises:
         TypeError / ValueError: a size that is not a positive int, ``d_model`` not divisible by ``n_heads``.
     """
-
-    state_names = ("S",)
-    cache_width = 0
 
     def __init__(self, d_model: int, n_heads: int, *, block_size: int | None = None, dropout: float = 0.0,
                  bias: bool = True, chunk_size: int = 64) -> None:
@@ -211,18 +208,15 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
 
-    def cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
-        """0: the state does not grow with the sequence (see :meth:`state_bytes`)."""
-        return 0
-
     def state_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of the state of one sequence: ``n_heads · head_dim²`` numbers."""
         dtype = dtype or self.out_proj.weight.dtype
         return self.n_heads * self.head_dim**2 * torch.empty((), dtype=dtype).element_size()
 
-    def forward(self, x: torch.Tensor, *, cache: LayerCache | None = None, return_weights: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, cache: RecurrentState | None = None, attention_mask: None = None,
+                positions: None = None, return_weights: bool = False) -> torch.Tensor:
         """``(B, T, d_model)`` → ``(B, T, d_model)``; with a cache, continue the cached sequence."""
-        B, T, past = check_recurrent_input(self, x, cache, return_weights, "a gated DeltaNet layer")
+        B, T = check_recurrent_input(self, x, cache, return_weights, attention_mask, positions, "a gated DeltaNet layer")
 
         def heads(t: torch.Tensor) -> torch.Tensor:
             return t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, T, h * hd) -> (B, h, T, hd)
@@ -232,11 +226,11 @@ class GatedDeltaNet(nn.Module):
         b, a = self.beta_decay(x).transpose(1, 2).chunk(2, dim=1)  # (B, 2h, T) -> 2 x (B, h, T)
         beta = b.sigmoid()
         g = -self.A_log.exp()[:, None] * F.softplus(a + self.dt_bias[:, None])  # (B, h, T), <= 0
-        state = read_state(cache, self.state_names)
+        state = None if cache is None else cache.read()
         y, S = gated_delta_rule(q, k, v, beta, g, "recurrent" if T == 1 else "chunked", chunk_size=self.chunk_size,
                                 initial_state=None if state is None else state[0], return_state=True)
         if cache is not None:
-            write_state(cache, self.state_names, (S,), T)
+            cache.write((S,), T)
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_weight  # per-head RMSNorm
         y = y * F.silu(heads(self.gate(x)))  # gated by z (Qwen3-Next's RMSNormGated)
         return self.resid_dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, self.d_model)))

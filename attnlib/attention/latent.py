@@ -30,7 +30,8 @@ class MultiHeadLatentAttention(MultiHeadAttention):
     ``project`` step decodes keys and values from a cached latent.
 
     Args:
-        d_model, n_heads, block_size, dropout, bias, causal, attn_fn, sliding_window: as :class:`MultiHeadAttention`.
+        d_model, n_heads, block_size, dropout, bias, causal, attn_fn, sliding_window, chunk_size: as
+            :class:`MultiHeadAttention` (no RoPE: DeepSeek-V2's decoupled RoPE key is not built here).
         kv_latent_dim: width ``d_c`` of the latent ``c = W^DKV x``, the only thing cached.
         absorb: compute attention against the latents with ``W^UK`` / ``W^UV`` folded
             into the query and output sides (equal to the naive path; the inference form).
@@ -59,13 +60,14 @@ class MultiHeadLatentAttention(MultiHeadAttention):
         attn_fn: str = "sdpa",
         absorb: bool = False,
         sliding_window: int | None = None,
+        chunk_size: int | None = None,
     ) -> None:
         positive_int("kv_latent_dim", kv_latent_dim)
         if not isinstance(absorb, bool):
             raise TypeError(f"absorb must be a bool; got {absorb!r}")
         self.kv_latent_dim, self.absorb = kv_latent_dim, absorb
         super().__init__(d_model, n_heads, block_size=block_size, dropout=dropout, bias=bias, causal=causal, attn_fn=attn_fn,
-                         sliding_window=sliding_window)
+                         sliding_window=sliding_window, chunk_size=chunk_size)
 
     def build_projections(self, bias: bool) -> None:
         self.q_proj = nn.Linear(self.d_model, self.d_model, bias=bias)
@@ -82,12 +84,12 @@ class MultiHeadLatentAttention(MultiHeadAttention):
         """The cached quantity ``c = W^DKV x``: ``(B, T, d_model)`` → ``(B, T, d_c)``."""
         return self.kv_down(x)
 
-    def project(self, x, context=None, cache=None):
+    def project(self, x, context=None, cache=None, positions=None):
         source = x if context is None else context
         q = self.split_heads(self.q_proj(x), self.n_heads)  # (B, n_heads, T, head_dim)
         c = self.latent(source)  # (B, T_k, d_c)
         if cache is not None:
-            (c,) = cache.update(c=c)  # only the latent: d_c numbers per token
+            (c,) = cache.update(c)  # only the latent: d_c numbers per token
         if not self.absorb:  # decode K and V per head
             return q, self.split_heads(self.k_up(c), self.n_heads), self.split_heads(self.v_up(c), self.n_heads)
         w_uk = self.k_up.weight.view(self.n_heads, self.head_dim, self.kv_latent_dim)  # (n_heads, hd, d_c)

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlib._checks import divisible, finite_number, positive_int, probability
-from attnlib.cache import LayerCache
+from attnlib.cache.recurrent import RecurrentState
 
-__all__ = ["FEATURE_MAPS", "LINEAR_MODES", "LinearAttention", "check_feature_map", "linear_attention"]
+__all__ = ["FEATURE_MAPS", "LINEAR_MODES", "LinearAttention", "RecurrentLayer", "check_feature_map", "linear_attention"]
 
 #: Feature maps known to be positive, by name: the weights ``φ(q)·φ(k)`` they give are >= 0.
 FEATURE_MAPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -186,36 +186,21 @@ def _recurrent(fq, fk, v, S, z, eps):
     return torch.stack(outs, dim=-2), S, z
 
 
-def read_state(cache: LayerCache | None, names: tuple[str, ...]) -> tuple[torch.Tensor, ...] | None:
-    """The recurrent state stored in ``cache`` (``None`` when there is no cache or it was reset)."""
-    if cache is None or cache.length == 0:
-        return None
-    if set(cache.buffers) != set(names):
-        raise ValueError(f"this cache holds {sorted(cache.buffers)}; a recurrent layer keeps {sorted(names)}")
-    return tuple(cache.buffers[n] for n in names)
-
-
-def write_state(cache: LayerCache, names: tuple[str, ...], state: tuple[torch.Tensor, ...], T_new: int) -> None:
-    """Store a recurrent layer's state in ``cache`` and count ``T_new`` more positions."""
-    if cache.length + T_new > cache.max_len:
-        raise ValueError(f"the cache holds {cache.length} positions and max_len={cache.max_len}; "
-                         f"cannot add {T_new} more")
-    cache.buffers = dict(zip(names, (s.detach() for s in state)))  # replaced, not appended: fixed size
-    cache.length += T_new
-
-
-
-def check_recurrent_input(layer: nn.Module, x: object, cache: LayerCache | None, return_weights: bool,
-                          what: str) -> tuple[int, int, int]:
-    """Check a recurrent layer's ``forward`` arguments (``layer.d_model``, ``layer.block_size``); return ``(B, T, past)``.
+def check_recurrent_input(layer: nn.Module, x: object, cache, return_weights: bool, attention_mask: object,
+                          positions: object, what: str) -> tuple[int, int]:
+    """Check a recurrent layer's ``forward`` arguments (``layer.d_model``, ``layer.block_size``); return ``(B, T)``.
 
     Raises:
-        TypeError: ``x`` not a float tensor of the weights' dtype, ``cache`` not a ``LayerCache``.
-        ValueError: weights asked for, ``x`` not ``(B, T, d_model)`` with ``T >= 1`` or not on the
-            weights' device, the sequence past ``block_size``.
+        TypeError: ``x`` not a float tensor of the weights' dtype, ``cache`` not a recurrent state.
+        ValueError: weights asked for; a padding mask or positions (a recurrent layer would fold the pads
+            into its state); ``x`` not ``(B, T, d_model)`` with ``T >= 1`` or not on the weights' device,
+            the sequence past ``block_size``.
     """
     if return_weights:
         raise ValueError(f"return_weights=True: {what} computes no attention weights")
+    if attention_mask is not None or positions is not None:
+        raise ValueError(f"{what} takes no attention_mask or positions: it would fold the padding into its "
+                         "state (left-padded batches need softmax attention)")
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"x must be a floating point tensor (B, T, d_model); got {getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() != 3 or x.shape[-1] != layer.d_model or x.shape[1] == 0:
@@ -225,21 +210,36 @@ def check_recurrent_input(layer: nn.Module, x: object, cache: LayerCache | None,
         raise TypeError(f"x is {x.dtype} but the module's weights are {weight.dtype}; convert one of them")
     if x.device != weight.device:
         raise ValueError(f"x is on {x.device} but the module's weights are on {weight.device}")
-    if cache is not None and not isinstance(cache, LayerCache):
-        raise TypeError(f"cache must be an attnlib.cache.LayerCache; got {type(cache).__name__}")
+    if cache is not None and not (callable(getattr(cache, "read", None)) and callable(getattr(cache, "write", None))):
+        raise TypeError(f"cache must be an attnlib.cache.RecurrentState (layer.new_cache(...)); got {type(cache).__name__}")
     B, T, _ = x.shape
     past = 0 if cache is None else cache.length
     if layer.block_size is not None and past + T > layer.block_size:
         raise ValueError(f"sequence length T={past + T} (cached {past} + new {T}) exceeds block_size={layer.block_size}")
-    return B, T, past
+    return B, T
 
 
-class LinearAttention(nn.Module):
+class RecurrentLayer(nn.Module):
+    """What linear attention and gated DeltaNet share as decoder layers: a fixed state instead of a KV cache."""
+
+    cache_width = 0  # nothing grows with the sequence
+    mask_mod = None
+
+    def cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """0: the state does not grow with the sequence (see :meth:`state_bytes`)."""
+        return 0
+
+    def new_cache(self, block_size: int, windows: bool = True) -> RecurrentState:
+        """An empty :class:`~attnlib.cache.RecurrentState` (``windows`` changes nothing: there is no window)."""
+        return RecurrentState(block_size)
+
+
+class LinearAttention(RecurrentLayer):
     """Multi-head causal linear attention with the GPT block's attention interface. Chapter 18.
 
     The projections (``qkv``, ``out_proj``) are :class:`attnlib.attention.MultiHeadAttention`'s, so
     a GPT's ``block.attn`` can be replaced by this layer; only the attention changes. With a
-    :class:`attnlib.cache.LayerCache` it stores the state ``(S, z)`` there instead of keys and values.
+    :class:`attnlib.cache.RecurrentState` it keeps the state ``(S, z)`` there instead of keys and values.
 
     Args:
         d_model, n_heads: as for :class:`attnlib.attention.MultiHeadAttention` (``n_heads`` divides ``d_model``).
@@ -253,7 +253,6 @@ class LinearAttention(nn.Module):
             mode or chunk size (named).
     """
 
-    state_names = ("S", "z")
 
     def __init__(self, d_model: int, n_heads: int, *, block_size: int | None = None, dropout: float = 0.0,
                  bias: bool = True, feature_map: str | Callable = "elu+1", mode: str = "chunked",
@@ -275,27 +274,22 @@ class LinearAttention(nn.Module):
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
 
-    cache_width = 0  # nothing grows with the sequence
-
-    def cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
-        """0: the state does not grow with the sequence (see :meth:`state_bytes`)."""
-        return 0
-
     def state_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of the recurrent state of one sequence: ``n_heads · d_φ · (head_dim + 1)`` numbers
         (``d_φ = head_dim`` for the built-in maps)."""
         dtype = dtype or self.out_proj.weight.dtype
         return self.n_heads * self.head_dim * (self.head_dim + 1) * torch.empty((), dtype=dtype).element_size()
 
-    def forward(self, x: torch.Tensor, *, cache: LayerCache | None = None, return_weights: bool = False) -> torch.Tensor:
-        """``(B, T, d_model)`` → ``(B, T, d_model)``; with a cache, continue the cached sequence."""
-        B, T, past = check_recurrent_input(self, x, cache, return_weights, "a linear attention layer")
+    def forward(self, x: torch.Tensor, *, cache: RecurrentState | None = None, attention_mask: None = None,
+                positions: None = None, return_weights: bool = False) -> torch.Tensor:
+        """``(B, T, d_model)`` → ``(B, T, d_model)``; with a state (``new_cache``), continue the sequence."""
+        B, T = check_recurrent_input(self, x, cache, return_weights, attention_mask, positions, "a linear attention layer")
         q, k, v = (t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, T, d) -> (B, h, T, hd)
                    for t in self.qkv(x).split(self.d_model, dim=-1))
         mode = "recurrent" if T == 1 else self.mode
         y, state = linear_attention(q, k, v, mode, feature_map=self.feature_map, chunk_size=self.chunk_size,
-                                    initial_state=read_state(cache, self.state_names), return_state=True)
+                                    initial_state=None if cache is None else cache.read(), return_state=True)
         if cache is not None:
-            write_state(cache, self.state_names, state, T)
+            cache.write(state, T)
         y = y.transpose(1, 2).reshape(B, T, self.d_model)  # (B, h, T, hd) -> (B, T, d_model)
         return self.resid_dropout(self.out_proj(y))

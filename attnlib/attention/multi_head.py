@@ -1,12 +1,14 @@
-"""Multi-head attention: one module for MHA, GQA, MQA and cross-attention.
+"""Multi-head attention: one module for MHA, GQA, MQA, cross-attention and the modern decoder's attention.
 
 ``project → attend → merge``: queries, keys and values from one fused projection;
 an attention function from :data:`attnlib.attention.ATTENTION_FUNCTIONS`; the heads
 concatenated through an output projection (Vaswani et al. 2017, §3.2.2; chapter 04).
 ``n_kv_heads < n_heads`` lets groups of query heads share key/value heads (GQA,
 Ainslie et al. 2023; ``n_kv_heads = 1`` is MQA, Shazeer 2019; chapter 06); a
-``context`` makes it cross-attention (§3.2.3; chapter 09). Talking heads and
-multi-head latent attention are subclasses that change one step each.
+``context`` makes it cross-attention (§3.2.3; chapter 09). What a modern decoder adds is
+injected, not subclassed (chapters 16, 17): a :class:`~attnlib.positional.RotaryEmbedding`
+(RoPE on queries and keys), QK-norm, a sliding window or chunk, a score modification.
+Talking heads and multi-head latent attention are subclasses that change one step each.
 """
 from __future__ import annotations
 
@@ -16,10 +18,12 @@ import torch
 from torch import nn
 
 from attnlib._checks import divisible, positive_int, probability
-from attnlib.attention.functions import ATTENTION_FUNCTIONS, get_attention_function
-from attnlib.cache import LayerCache, RingLayerCache, SinkLayerCache
-from attnlib.masks import mask_from_mod
-from attnlib.mods import sliding_window as window_mod
+from attnlib.attention.inputs import check_layer_inputs, visible_mask
+from attnlib.attention.mods import chunked, sliding_window
+from attnlib.attention.registry import ATTENTION_FUNCTIONS, get_attention_function
+from attnlib.cache.layer import LayerCache
+from attnlib.cache.windowed import ChunkedLayerCache, RingLayerCache
+from attnlib.layers.norms import RMSNorm
 
 __all__ = ["KV_SHARING", "MultiHeadAttention"]
 
@@ -27,18 +31,6 @@ __all__ = ["KV_SHARING", "MultiHeadAttention"]
 #: the attention function, which reads them in place (no copy); ``"repeat_interleave"`` copies each
 #: K/V head once per query head of its group first (simple, but the copies cost memory). Equal outputs.
 KV_SHARING = ("fold", "repeat_interleave")
-
-
-def check_positions(positions: object, x: torch.Tensor) -> None:
-    """Raise unless ``positions`` is a ``(B, T)`` integer tensor on ``x``'s device, every entry >= 0."""
-    if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
-        raise TypeError(f"positions must be an integer tensor (B, T); got {getattr(positions, 'dtype', type(positions).__name__)}")
-    if tuple(positions.shape) != tuple(x.shape[:2]):
-        raise ValueError(f"positions must have shape (B, T) = {tuple(x.shape[:2])}; got {tuple(positions.shape)}")
-    if positions.device != x.device:
-        raise ValueError(f"positions is on {positions.device} but x is on {x.device}")
-    if positions.numel() and int(positions.min()) < 0:
-        raise ValueError(f"positions must be >= 0; got a minimum of {int(positions.min())}")
 
 
 class MultiHeadAttention(nn.Module):
@@ -52,32 +44,42 @@ class MultiHeadAttention(nn.Module):
         dropout: dropout on the attention weights and the output (training only), in [0, 1).
         bias: biases on the projections.
         causal: query ``t`` sees only keys ``<= t`` (self-attention only).
-        attn_fn: ``"sdpa"`` (fast), ``"eager"`` (readable, what the book derives) or ``"tiled"``.
+        attn_fn: a name of :data:`attnlib.attention.ATTENTION_FUNCTIONS`: ``"sdpa"`` (fast), ``"eager"``
+            (readable, what the book derives), ``"tiled"`` or ``"flash"`` (chapter 15).
         kv_sharing: one of :data:`KV_SHARING`.
         head_dim: width of each head; default ``d_model // n_heads`` (then ``n_heads`` must divide
             ``d_model``). Qwen3 sets it apart: 16 heads of 128 in a model of width 1024.
-        sliding_window: ``None`` (full attention) or ``w``: query ``i`` sees keys ``i - w < j <= i``
-            only (Mistral; :func:`attnlib.mods.sliding_window`; chapter 17). Causal layers only.
+        sliding_window: ``None`` or ``w``: query ``i`` sees keys ``i - w < j <= i`` only (Mistral;
+            :func:`attnlib.attention.mods.sliding_window`; chapter 17). Causal layers only.
+        chunk_size: ``None`` or ``C``: query ``i`` sees the keys of its own chunk, ``i // C == j // C``
+            (Llama 4's chunked attention; :func:`attnlib.attention.mods.chunked`). Causal layers only.
+        rope: ``None`` or the :class:`~attnlib.positional.RotaryEmbedding` (``head_dim`` wide, shared by a
+            model's layers) that rotates queries and keys by their positions before the cache, so that
+            cached keys are stored rotated (Llama; chapter 16). Self-attention only.
+        qk_norm: an RMSNorm over ``head_dim`` on queries and keys, before RoPE (Qwen3; Dehghani et al. 2023).
+        norm_eps: QK-norm's epsilon.
         score_mod: ``None`` or a FlexAttention-style ``(scores, b, h, q_idx, kv_idx) -> scores`` applied
-            before the softmax (ALiBi, soft-capping: :mod:`attnlib.mods`); needs ``attn_fn`` "eager" or "tiled".
+            before the softmax (ALiBi, soft-capping: :mod:`attnlib.attention.mods`); not with ``"sdpa"``
+            or ``"flash"``, which cannot modify scores.
 
     Attributes:
         qkv: ``nn.Linear(d_model, (n_heads + 2 · n_kv_heads) · head_dim)``; rows ``[W_q; W_k; W_v]``
             (with ``n_kv_heads == n_heads``, ``nn.MultiheadAttention.in_proj_weight``'s layout).
         out_proj: ``nn.Linear(n_heads · head_dim, d_model)``.
+        q_norm, k_norm: the QK-norm layers (``None`` without ``qk_norm``).
+        mask_mod: the layer's rule beyond causality (its window or chunk), or ``None``.
         cache_width: numbers a KV cache keeps per token for this layer, ``2 · n_kv_heads · head_dim``.
 
     Raises:
         TypeError / ValueError: a size that is not a positive int, ``d_model`` not divisible by
             ``n_heads`` or ``n_heads`` by ``n_kv_heads``, ``dropout`` outside [0, 1), an unknown
-            ``attn_fn`` or ``kv_sharing``; the message names the value.
+            ``attn_fn`` or ``kv_sharing``, a window or chunk on a non-causal layer or both at once, a
+            ``rope`` of another width, a ``score_mod`` with a function that cannot apply it; the message
+            names the value.
     """
 
     #: Whether a mask may differ between heads (talking heads mixes heads, so it cannot honour one).
     per_head_masks = True
-    #: Whether :meth:`project` takes per-row ``positions`` (RoPE does; a layer without position
-    #: information, or with only relative ones -- ALiBi, the window -- has no use for them).
-    takes_positions = False
 
     def __init__(
         self,
@@ -93,6 +95,10 @@ class MultiHeadAttention(nn.Module):
         kv_sharing: str = "fold",
         head_dim: int | None = None,
         sliding_window: int | None = None,
+        chunk_size: int | None = None,
+        rope=None,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
         score_mod=None,
     ) -> None:
         super().__init__()
@@ -107,7 +113,7 @@ class MultiHeadAttention(nn.Module):
         if block_size is not None:
             positive_int("block_size", block_size)
         probability("dropout", dropout)
-        for name, value in (("bias", bias), ("causal", causal)):
+        for name, value in (("bias", bias), ("causal", causal), ("qk_norm", qk_norm)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool; got {value!r}")
         get_attention_function(attn_fn)  # an unknown name fails here, naming the known ones
@@ -118,18 +124,31 @@ class MultiHeadAttention(nn.Module):
         self.block_size, self.dropout, self.causal = block_size, dropout, causal
         self.attn_fn, self.kv_sharing = attn_fn, kv_sharing
         self.scale = 1.0 / math.sqrt(self.head_dim)
-        if sliding_window is not None and not causal:
-            raise ValueError(f"sliding_window={sliding_window!r} needs a causal layer (causal=True)")
-        self.sliding_window = sliding_window
+        self.sliding_window, self.chunk_size = sliding_window, chunk_size
+        self.mask_mod = self._rule(sliding_window, chunk_size)
         if score_mod is not None and not callable(score_mod):
             raise TypeError(f"score_mod must be callable (scores, b, h, q_idx, kv_idx) -> scores; got {score_mod!r}")
-        if score_mod is not None and attn_fn == "sdpa":
-            raise ValueError("score_mod needs attn_fn='eager' or 'tiled' (SDPA cannot modify scores)")
+        if score_mod is not None and attn_fn in ("sdpa", "flash"):
+            raise ValueError(f"score_mod needs attn_fn='eager' or 'tiled' ({attn_fn!r} cannot modify scores)")
         self.score_mod = score_mod
-        self.window_mod = None if sliding_window is None else window_mod(sliding_window)  # checks the window
         self.build_projections(bias)
         self.out_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)  # created last: init order as in nanoGPT
         self.resid_dropout = nn.Dropout(dropout)
+        if rope is not None and getattr(rope, "head_dim", None) != self.head_dim:
+            raise ValueError(f"rope must be a RotaryEmbedding of head_dim={self.head_dim}; got {rope!r}")
+        self.rope = rope
+        self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+
+    def _rule(self, window: int | None, chunk: int | None):
+        """The layer's mask modification beyond causality: its sliding window or chunk (checked), or None."""
+        if window is not None and chunk is not None:
+            raise ValueError(f"sliding_window={window} and chunk_size={chunk}: a layer has one or the other")
+        if (window is not None or chunk is not None) and not self.causal:
+            raise ValueError(f"sliding_window={window!r} / chunk_size={chunk!r} need a causal layer (causal=True)")
+        if window is not None:
+            return sliding_window(window)
+        return None if chunk is None else chunked(chunk)
 
     def build_projections(self, bias: bool) -> None:
         """Create the input projections (a subclass that projects differently overrides this and :meth:`project`)."""
@@ -145,29 +164,63 @@ class MultiHeadAttention(nn.Module):
         dtype = dtype or self.out_proj.weight.dtype
         return self.cache_width * torch.empty((), dtype=dtype).element_size()
 
+    def new_cache(self, block_size: int, windows: bool = True) -> LayerCache:
+        """The cache this layer needs: every position, or (``windows``) only its window or its chunk."""
+        if windows and self.sliding_window is not None:
+            return RingLayerCache(block_size, self.sliding_window)
+        if windows and self.chunk_size is not None:
+            return ChunkedLayerCache(block_size, self.chunk_size)
+        return LayerCache(block_size)
+
     def split_heads(self, x: torch.Tensor, n_heads: int) -> torch.Tensor:
         """``(B, T, n_heads · width)`` → ``(B, n_heads, T, width)``."""
         B, T, width = x.shape
         return x.view(B, T, n_heads, width // n_heads).transpose(1, 2)  # (B, T, n_heads*w) -> (B, n_heads, T, w)
 
-    def project(
-        self, x: torch.Tensor, context: torch.Tensor | None = None, cache: LayerCache | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, context: torch.Tensor | None = None, cache=None,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries ``(B, n_heads, T, head_dim)``; keys and values ``(B, n_kv_heads, T_k, head_dim)``.
 
-        Keys and values come from ``context`` when given (cross-attention), else from ``x``.
-        With a ``cache`` the new keys and values are appended and every cached one returned.
+        Keys and values come from ``context`` when given (cross-attention), else from ``x``. QK-norm,
+        then RoPE at ``positions`` (``(B, T)`` per row, or by default ``cache.length, …``), then the
+        cache: the new keys and values are appended and what the cache returns is attended to. A cache
+        that renumbers (:class:`~attnlib.cache.SinkLayerCache`) stores keys unrotated and they are
+        rotated at their places in it.
         """
-        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        if context is None:
-            q, k, v = self.qkv(x).split([q_width, kv_width, kv_width], dim=-1)  # (B, T, q_width + 2 kv_width)
-        else:  # the same fused weight, its query rows on x and its key/value rows on the context
-            w, b = self.qkv.weight, self.qkv.bias
-            q = nn.functional.linear(x, w[:q_width], None if b is None else b[:q_width])
-            k, v = nn.functional.linear(context, w[q_width:], None if b is None else b[q_width:]).split(kv_width, -1)
-        q, k, v = self.split_heads(q, self.n_heads), self.split_heads(k, self.n_kv_heads), self.split_heads(v, self.n_kv_heads)
+        if context is not None or self.rope is None:
+            q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            if context is None:
+                q, k, v = self.qkv(x).split([q_width, kv_width, kv_width], dim=-1)  # (B, T, q_width + 2 kv_width)
+            else:  # the same fused weight, its query rows on x and its key/value rows on the context
+                w, b = self.qkv.weight, self.qkv.bias
+                q = nn.functional.linear(x, w[:q_width], None if b is None else b[:q_width])
+                k, v = nn.functional.linear(context, w[q_width:], None if b is None else b[q_width:]).split(kv_width, -1)
+            q, k, v = self.split_heads(q, self.n_heads), self.split_heads(k, self.n_kv_heads), self.split_heads(v, self.n_kv_heads)
+            if self.q_norm is not None:  # per head, over head_dim
+                q, k = self.q_norm(q), self.k_norm(k)
+            return (q, *cache.update(k, v)) if cache is not None else (q, k, v)  # only the n_kv_heads shared heads
+        B, T, _ = x.shape
+        heads = self.qkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
+        qk, v = heads.split([self.n_heads + self.n_kv_heads, self.n_kv_heads], dim=1)  # (B, heads, T, hd) views
+        if self.q_norm is not None:  # per head, over head_dim (Qwen3: before RoPE)
+            q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        if cache is not None and cache.renumbers:
+            if positions is not None:
+                raise ValueError("positions cannot be given with a sink cache: it numbers positions within the cache")
+            q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)  # StreamingLLM: keys cached unrotated
+            k, v = cache.update(k, v)
+            n = k.shape[-2]
+            k = self.rope.rotate(k, torch.arange(n, device=x.device))
+            return self.rope.rotate(q, torch.arange(n - T, n, device=x.device)), k, v
+        if positions is None:
+            start = 0 if cache is None else cache.length
+            positions = torch.arange(start, start + T, device=x.device)  # absolute positions of the new tokens
+        else:
+            positions = positions[:, None, :]  # (B, T) -> (B, 1, T): the same positions in every head
+        q, k = self.rope.rotate(qk, positions).split([self.n_heads, self.n_kv_heads], dim=1)  # one rotation for both
         if cache is not None:
-            k, v = cache.update(k=k, v=v)  # only the n_kv_heads shared heads: cache_width numbers per token
+            k, v = cache.update(k, v)  # keys cached rotated: never rotated again
         return q, k, v
 
     def attend(
@@ -182,85 +235,15 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         return fn(q, k, v, mask, is_causal=is_causal, scale=self.scale, dropout_p=dropout_p, score_mod=self.score_mod)
 
+    def gate_output(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """What reaches the output projection from the heads ``y (B, n_heads, T, width)``: ``y`` itself
+        (:class:`~attnlib.attention.sparse.GatedAttention` gates it by ``x``)."""
+        return y
+
     def merge(self, y: torch.Tensor) -> torch.Tensor:
         """``(B, n_heads, T, head_dim)`` → ``(B, T, d_model)`` through the output projection."""
         B, _, T, _ = y.shape
         return self.out_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # -> (B, T, d_model)
-
-    def check_inputs(self, x, context, mask, key_padding_mask, cache) -> torch.Tensor | None:
-        """Validate every argument of :meth:`forward` before any kernel runs; return the combined mask."""
-        weight = self.out_proj.weight
-        for name, t in (("x", x), ("context", context)):
-            if t is None:
-                continue
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor of shape (B, T, d_model); got {type(t).__name__}")
-            if not t.is_floating_point():
-                raise TypeError(f"{name} must be a floating point tensor; got dtype {t.dtype}")
-            if t.dim() != 3 or t.shape[-1] != self.d_model:
-                raise ValueError(f"{name} must have shape (B, T, d_model={self.d_model}); got {tuple(t.shape)}")
-            if t.dtype != weight.dtype and not torch.is_autocast_enabled(t.device.type):
-                raise TypeError(f"{name} is {t.dtype} but the module's weights are {weight.dtype}; convert one of them")
-            if t.device != weight.device and weight.device.type != "meta":
-                raise ValueError(f"{name} is on {t.device} but the module's weights are on {weight.device}")
-        B, T_q = x.shape[0], x.shape[1]
-        if context is not None:
-            if self.causal:
-                raise ValueError("a causal layer attends over its own sequence; build it with causal=False for a context")
-            if cache is not None:
-                raise ValueError("cache is for self-attention; a context's keys and values are not cached here")
-            if context.shape[0] != B:
-                raise ValueError(f"x and context must have the same batch size; got {tuple(x.shape)} and {tuple(context.shape)}")
-            if context.shape[1] == 0 and T_q:
-                raise ValueError(f"context holds no positions; got shape {tuple(context.shape)}")
-        past = 0 if cache is None else cache.next_position
-        if cache is not None and not isinstance(cache, LayerCache):
-            raise TypeError(f"cache must be an attnlib.cache.LayerCache; got {type(cache).__name__}")
-        if isinstance(cache, SinkLayerCache):
-            if not getattr(self, "renumbers_positions", False):
-                raise ValueError(f"a sink cache renumbers positions; {type(self).__name__} cannot (use RotaryAttention)")
-            if self.sliding_window is not None and self.sliding_window < cache.window:
-                raise ValueError(f"a sink cache of window={cache.window} shows keys this layer "
-                                 f"(sliding_window={self.sliding_window}) must not see")
-            if mask is not None or key_padding_mask is not None:
-                raise ValueError("masks are not supported with a sink cache (it holds only some keys)")
-        elif isinstance(cache, RingLayerCache):
-            if self.sliding_window is None or cache.window < self.sliding_window:
-                raise ValueError(f"a ring cache of window={cache.window} drops keys this layer "
-                                 f"(sliding_window={self.sliding_window}) still attends to")
-            if mask is not None or key_padding_mask is not None:
-                raise ValueError("masks are not supported with a ring cache (it holds only the window's keys)")
-        if self.block_size is not None and past + T_q > self.block_size:
-            raise ValueError(f"sequence length T={past + T_q} (cached {past} + new {T_q}) exceeds block_size={self.block_size}")
-        T_k = context.shape[1] if context is not None else past + T_q
-        if T_k == 0:
-            raise ValueError(f"x holds no positions and nothing is cached; got shape {tuple(x.shape)}")
-        if mask is not None:
-            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-                raise TypeError(f"mask must be a boolean tensor (True = may attend); got {getattr(mask, 'dtype', type(mask).__name__)}")
-            target = (B, self.n_heads, T_q, T_k)
-            if mask.dim() != 4 or any(m not in (1, s) for m, s in zip(mask.shape, target)):
-                raise ValueError(
-                    f"mask of shape {tuple(mask.shape)} must be 4-D and broadcast to (B, n_heads, T_q, T_k) = {target} "
-                    f"with each dim 1 or equal (a key padding mask goes in key_padding_mask=(B, T_k))"
-                )
-            if mask.device != x.device:
-                raise ValueError(f"mask is on {mask.device} but x is on {x.device}")
-            if mask.shape[1] != 1 and not self.per_head_masks:
-                raise ValueError(f"{type(self).__name__} mixes heads and cannot honour a per-head mask; got {tuple(mask.shape)}")
-        if key_padding_mask is not None:
-            if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
-                raise TypeError(
-                    "key_padding_mask must be a boolean tensor, True = a real token (nn.MultiheadAttention's "
-                    f"is the opposite); got {getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)}"
-                )
-            if key_padding_mask.device != x.device:
-                raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but x is on {x.device}")
-            if tuple(key_padding_mask.shape) != (B, T_k):
-                raise ValueError(f"key_padding_mask must have shape (B, T_k) = {(B, T_k)}; got {tuple(key_padding_mask.shape)}")
-            keys = key_padding_mask[:, None, None, :]  # (B, T_k) -> (B, 1, 1, T_k): every head, every query
-            mask = keys if mask is None else mask & keys
-        return mask
 
     def forward(
         self,
@@ -268,10 +251,10 @@ class MultiHeadAttention(nn.Module):
         context: torch.Tensor | None = None,
         *,
         mask: torch.Tensor | None = None,
-        key_padding_mask: torch.Tensor | None = None,
-        cache: LayerCache | None = None,
-        return_weights: bool = False,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
         positions: torch.Tensor | None = None,
+        return_weights: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from ``x`` to itself (or to ``context``).
 
@@ -280,35 +263,28 @@ class MultiHeadAttention(nn.Module):
             context: optional ``(B, T_k, d_model)``: keys and values come from it (cross-attention;
                 the layer must be built with ``causal=False``).
             mask: optional bool ``(B|1, n_heads|1, T, T_k)``, ``True`` = may attend; combined with
-                the causal mask and ``key_padding_mask`` by ``&``.
-            key_padding_mask: optional bool ``(B, T_k)``, ``True`` = a real token (the opposite of
-                ``nn.MultiheadAttention``'s convention).
-            cache: a :class:`attnlib.cache.LayerCache`: the new positions are appended and attend to
-                every cached one (``T_k`` = cached length; causal mask aligned bottom-right). Chapter 08.
-            return_weights: also return the weights ``(B, n_heads, T, T_k)`` (eager function).
+                the causal mask and ``attention_mask`` by ``&``. ``T_k`` counts every position: the
+                context's, or the cached ones and the new.
+            attention_mask: optional bool ``(B, T_k)``, ``True`` = a real token (``transformers``'
+                convention; ``nn.MultiheadAttention``'s ``key_padding_mask`` is the opposite).
+            cache: a layer cache (:mod:`attnlib.cache`): the new positions are appended and attend to
+                what it returns (causal mask aligned bottom-right). Chapter 08.
             positions: optional ``(B, T)`` integer positions of the new tokens, one row per sequence
-                (batched generation with left padding, chapter 19: each row counts from its first real
-                token). Only a layer with :attr:`takes_positions` (RoPE) uses them; default
-                ``cache.length, …, cache.length + T - 1`` for every row.
+                (left-padded batches, chapter 19: each row counts from its first real token); RoPE
+                rotates by them. Default ``cache.length, …, cache.length + T - 1`` for every row.
+            return_weights: also return the weights ``(B, n_heads, T, T_k)`` (eager function).
 
         Returns:
             ``(B, T, d_model)``, or ``(output, weights)`` with ``return_weights``. A query with
             nothing to attend to (all keys masked) gets a zero attention output, never NaN.
 
         Raises:
-            TypeError / ValueError: see :meth:`check_inputs`; each names the argument and value.
+            TypeError / ValueError: see :func:`attnlib.attention.inputs.check_layer_inputs`; a cache that
+                would change this layer's attention (``cache.check_layer``); each names the argument.
         """
-        mask = self.check_inputs(x, context, mask, key_padding_mask, cache)
-        if positions is not None:
-            check_positions(positions, x)
-        use = positions is not None and self.takes_positions
-        q, k, v = self.project(x, context, cache, positions=positions) if use else self.project(x, context, cache)
-        visible = None if cache is None else cache.visible(q.shape[-2])  # a sink cache's keys are not contiguous
-        if visible is None and self.window_mod is not None:  # the window, aligned to the newest keys
-            visible = mask_from_mod(self.window_mod, (1, 1, q.shape[-2], k.shape[-2]), x.device)[0, 0]
-        if visible is not None:
-            visible = visible.to(x.device)[None, None]  # (T_q, T_k) -> (1, 1, T_q, T_k)
-            mask = visible if mask is None else mask & visible
+        T_total = check_layer_inputs(self, x, context, mask, attention_mask, cache, positions)
+        q, k, v = self.project(x, context, cache, positions)
+        mask = visible_mask(self, mask, attention_mask, cache, q.shape[-2], T_total, x.device)
         y, weights = self.attend(q, k, v, mask, self.causal and context is None, return_weights)
-        y = self.resid_dropout(self.merge(y))
+        y = self.resid_dropout(self.merge(self.gate_output(x, y)))
         return (y, weights) if return_weights else y

@@ -1,59 +1,39 @@
-"""The attention variants a :class:`attnlib.GPTConfig` can name, each built with explicit sizes.
+"""The attention functions by name (Hugging Face's ``AttentionInterface`` pattern). Chapters 02, 15.
 
-``ATTENTION_REGISTRY[name](config)`` returns a causal attention layer mapping
-``(B, T, d_model)`` → ``(B, T, d_model)``; :func:`build_attention` looks the name up.
-MHA, GQA and MQA are one class with different ``n_kv_heads`` (``config.kv_heads``).
+Every entry has one signature::
+
+    fn(q, k, v, mask=None, *, is_causal=False, scale=None, dropout_p=0.0, score_mod=None)
+        -> (output, weights or None)
+
+and refuses the same bad inputs (:func:`attnlib.attention.functions.check_attention_inputs`) before
+any kernel runs. A layer stores the name (``attn_fn="sdpa"``) and looks the function up when it
+attends. A function that cannot do what it is asked (SDPA and flash cannot modify scores; tiled
+and flash have no dropout) raises a ``ValueError`` naming the argument.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from torch import nn
+from attnlib.attention.flash import flash_attention
+from attnlib.attention.functions import attention, sdpa_attention
+from attnlib.attention.tiled import tiled_attention
 
-from attnlib.attention.latent import MultiHeadLatentAttention
-from attnlib.attention.multi_head import MultiHeadAttention
-from attnlib.attention.talking_heads import TalkingHeadsAttention
-from attnlib.config import GPTConfig
+__all__ = ["ATTENTION_FUNCTIONS", "get_attention_function"]
 
-__all__ = ["ATTENTION_REGISTRY", "build_attention"]
-
-
-def _multi_head(config: GPTConfig) -> MultiHeadAttention:
-    return MultiHeadAttention(
-        config.d_model, config.n_heads, config.kv_heads, block_size=config.block_size, dropout=config.dropout, bias=config.bias,
-        sliding_window=config.sliding_window,
-    )
-
-
-def _talking_heads(config: GPTConfig) -> TalkingHeadsAttention:
-    return TalkingHeadsAttention(
-        config.d_model, config.n_heads, block_size=config.block_size, dropout=config.dropout, bias=config.bias,
-        sliding_window=config.sliding_window,
-    )
-
-
-def _latent(config: GPTConfig) -> MultiHeadLatentAttention:
-    return MultiHeadLatentAttention(
-        config.d_model, config.n_heads, config.latent_dim, block_size=config.block_size, dropout=config.dropout, bias=config.bias,
-        sliding_window=config.sliding_window,
-    )
-
-
-ATTENTION_REGISTRY: dict[str, Callable[[GPTConfig], nn.Module]] = {
-    "mha": _multi_head,  # n_kv_heads = n_heads
-    "talking_heads": _talking_heads,
-    "mqa": _multi_head,  # n_kv_heads = 1
-    "gqa": _multi_head,  # n_kv_heads from the config
-    "mla": _latent,
+ATTENTION_FUNCTIONS: dict[str, Callable] = {
+    "eager": attention,  # readable, returns the weights (chapters 02-04)
+    "sdpa": sdpa_attention,  # torch.nn.functional.scaled_dot_product_attention (fused kernels)
+    "tiled": tiled_attention,  # the online softmax, tile by tile (chapter 15)
+    "flash": flash_attention,  # tiled, with FlashAttention's backward from the log-sum-exp (chapter 15)
 }
 
 
-def build_attention(config: GPTConfig) -> nn.Module:
-    """The attention layer ``config.attention`` names, built from ``config``'s sizes.
+def get_attention_function(name: str) -> Callable:
+    """The attention function registered as ``name``.
 
     Raises:
-        TypeError: ``config`` not a :class:`attnlib.GPTConfig`.
+        ValueError: an unknown name (the message lists the known ones).
     """
-    if not isinstance(config, GPTConfig):
-        raise TypeError(f"config must be an attnlib.GPTConfig; got {type(config).__name__}")
-    return ATTENTION_REGISTRY[config.attention](config)
+    if not isinstance(name, str) or name not in ATTENTION_FUNCTIONS:
+        raise ValueError(f"attn_fn={name!r} is not one of {sorted(ATTENTION_FUNCTIONS)}")
+    return ATTENTION_FUNCTIONS[name]

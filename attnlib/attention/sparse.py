@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from attnlib._checks import finite_number, positive_int
+from attnlib.attention.inputs import check_layer_inputs
 from attnlib.attention.multi_head import MultiHeadAttention
-from attnlib.cache import LayerCache
 
 __all__ = ["GATE_KINDS", "GatedAttention", "LightningIndexer", "TopKAttention", "topk_attention", "topk_mask"]
 
@@ -42,24 +42,17 @@ class GatedAttention(MultiHeadAttention):
         super().__init__(d_model, n_heads, n_kv_heads, **kwargs)
         self.gate_kind = gate
         width = {"elementwise": n_heads * self.head_dim, "headwise": n_heads, None: 0}[gate]
-        self.gate = nn.Linear(d_model, width, bias=True) if gate else None
+        self.gate_proj = nn.Linear(d_model, width, bias=True) if gate else None
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
-                key_padding_mask: torch.Tensor | None = None, cache: LayerCache | None = None,
-                return_weights: bool = False):
-        """As :meth:`MultiHeadAttention.forward`, the attention output multiplied by the gate."""
-        mask = self.check_inputs(x, context, mask, key_padding_mask, cache)
-        q, k, v = self.project(x, context, cache)
-        if self.window_mod is not None:
-            raise ValueError("GatedAttention does not take a sliding_window")
-        y, weights = self.attend(q, k, v, mask, self.causal and context is None, return_weights)
-        if self.gate is not None:
-            B, T, _ = x.shape
-            width = self.gate.out_features // self.n_heads  # hd or 1
-            g = torch.sigmoid(self.gate(x)).view(B, T, self.n_heads, width).transpose(1, 2)  # (B, h, T, hd or 1)
-            y = y * g
-        y = self.resid_dropout(self.merge(y))
-        return (y, weights) if return_weights else y
+    def gate_output(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The heads' output ``y (B, n_heads, T, head_dim)`` times ``σ(x W_g)``, per channel or per head."""
+        if self.gate_proj is None:
+            return y
+        B, T, _ = x.shape
+        width = self.gate_proj.out_features // self.n_heads  # hd or 1
+        g = torch.sigmoid(self.gate_proj(x)).view(B, T, self.n_heads, width).transpose(1, 2)  # (B, h, T, hd or 1)
+        return y * g
+
 
 
 def topk_mask(scores: torch.Tensor, top_k: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
@@ -210,15 +203,15 @@ class TopKAttention(MultiHeadAttention):
         self.indexer = LightningIndexer(d_model, index_heads, index_dim) if indexer else None
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
-                key_padding_mask: torch.Tensor | None = None, cache: LayerCache | None = None,
+                attention_mask: torch.Tensor | None = None, cache=None, positions: torch.Tensor | None = None,
                 return_weights: bool = False) -> torch.Tensor:
         """``(B, T, d_model)`` → ``(B, T, d_model)``, optionally continuing a KV cache (own-``q·k`` mode)."""
-        if context is not None or mask is not None or key_padding_mask is not None or return_weights:
-            raise ValueError("TopKAttention takes no context, mask, key_padding_mask or return_weights")
+        if context is not None or mask is not None or attention_mask is not None or return_weights:
+            raise ValueError("TopKAttention takes no context, mask, attention_mask or return_weights")
         if cache is not None and self.indexer is not None:
             raise ValueError("TopKAttention(indexer=True) cannot use a cache: the indexer's keys are not cached")
-        self.check_inputs(x, None, None, None, cache)
-        q, k, v = self.project(x, None, cache)
+        check_layer_inputs(self, x, None, None, None, cache, positions)
+        q, k, v = self.project(x, None, cache, positions)
         group = self.n_heads // self.n_kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, n_kv, T, hd) -> (B, h, T, hd)
         scores = None if self.indexer is None else self.indexer(x, x)

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnlib.attention.masks import combined_mask, masked_softmax
 from attnlib.attention.multi_head import MultiHeadAttention
-from attnlib.functional import combined_mask, masked_softmax
 
 __all__ = ["BiasedTalkingHeadsAttention", "TalkingHeadsAttention"]
 
@@ -31,7 +31,7 @@ class TalkingHeadsAttention(MultiHeadAttention):
     ``attend`` step mixes the heads' logits and weights.
 
     Args:
-        d_model, n_heads, block_size, dropout, bias, causal, sliding_window: as :class:`MultiHeadAttention`
+        d_model, n_heads, block_size, dropout, bias, causal, sliding_window, chunk_size: as :class:`MultiHeadAttention`
             (one key/value head per query head; the eager computation, which yields the weights).
 
     Attributes:
@@ -63,9 +63,10 @@ class TalkingHeadsAttention(MultiHeadAttention):
         bias: bool = True,
         causal: bool = True,
         sliding_window: int | None = None,
+        chunk_size: int | None = None,
     ) -> None:
         super().__init__(d_model, n_heads, block_size=block_size, dropout=dropout, bias=bias, causal=causal, attn_fn="eager",
-                         sliding_window=sliding_window)
+                         sliding_window=sliding_window, chunk_size=chunk_size)
         # nn.Parameter, not nn.Linear: the GPT's N(0, 0.02) init must not turn the identity into noise.
         self.mix_logits = nn.Parameter(torch.eye(n_heads))
         self.mix_weights = nn.Parameter(torch.eye(n_heads))

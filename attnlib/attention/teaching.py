@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from attnlib._checks import float_input, positive_int, probability
-from attnlib.functional import attention
+from attnlib.attention.functions import attention
 
 __all__ = ["SelfAttentionV1", "SelfAttentionV2", "CausalAttention", "MultiHeadAttentionWrapper"]
 

@@ -13,6 +13,10 @@ extra memory is a few ``(tile_size, tile_size)`` tiles instead of a
 ``(T_q, T_k)`` matrix, so it grows linearly with the sequence length, not
 quadratically. This is the algorithm, not the speed: the real kernels keep the
 tiles in on-chip memory, which plain PyTorch cannot do.
+
+:func:`tiled_forward` is the loop itself, shared with FlashAttention's forward pass
+(:mod:`attnlib.attention.flash`), which also keeps each row's log-sum-exp for its backward pass;
+:func:`online_softmax_update` is one step of it, the one chapter 15 derives.
 """
 from __future__ import annotations
 
@@ -21,34 +25,46 @@ import math
 import torch
 
 from attnlib._checks import positive_int
-from attnlib.functional import ScoreMod, check_attention_inputs
-from attnlib.masks import score_indices
+from attnlib.attention.functions import check_attention_inputs
+from attnlib.attention.masks import score_indices
+from attnlib.attention.mods import ScoreMod
 
-__all__ = ["online_softmax", "online_softmax_update", "tiled_attention"]
+__all__ = ["block_scores", "fold_groups", "online_softmax", "online_softmax_update", "tiled_attention", "tiled_forward"]
 
 
 def online_softmax_update(
-    m: torch.Tensor, denom: torch.Tensor, block: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fold one block of scores into the running max ``m`` and running denominator ``denom``.
+    m: torch.Tensor,
+    denom: torch.Tensor,
+    block: torch.Tensor,
+    values: torch.Tensor | None = None,
+    acc: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Fold one block of scores into the running max ``m`` and denominator ``denom`` (and, for attention,
+    the running weighted sum of the values ``acc``). Chapter 15.
 
-    With ``m' = max(m, max(block))``: ``denom' = denom · exp(m - m') + Σ exp(block - m')``.
-    Rows that have seen only ``-inf`` so far keep ``m = -inf`` and ``denom = 0`` (no NaN).
-    Chapter 15.
+    With ``m' = max(m, max(block))``, ``α = exp(m - m')`` and ``p = exp(block - m')``:
+    ``denom' = α · denom + Σ p`` and ``acc' = α · acc + p @ values``. Rows that have seen only
+    ``-inf`` so far keep ``m = -inf``, ``denom = 0`` and ``acc = 0`` (no NaN).
 
     Args:
         m: running max, shape ``(..., 1)``; start with ``-inf``.
         denom: running sum of ``exp(x - m)``, shape ``(..., 1)``; start with ``0``.
         block: the next scores, shape ``(..., n)``.
+        values: optional ``(..., n, d_v)``, the values the block's scores weigh.
+        acc: with ``values``: running ``Σ exp(x - m) · v``, ``(..., d_v)``; start with ``0``.
 
     Returns:
-        ``(m', denom')``, each ``(..., 1)``.
+        ``(m', denom')``, each ``(..., 1)``; with ``values``, ``(m', denom', acc')``.
     """
     m_new = torch.maximum(m, block.amax(dim=-1, keepdim=True))
     # exp(-inf - (-inf)) is NaN: while a row has seen nothing but -inf, subtract 0 instead.
-    m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-    denom_new = denom * torch.exp(m - m_safe) + torch.exp(block - m_safe).sum(dim=-1, keepdim=True)
-    return m_new, denom_new
+    m_safe = m_new.masked_fill(torch.isinf(m_new), 0.0)
+    p = torch.exp(block - m_safe)  # (..., n): unnormalised weights
+    alpha = torch.exp(m - m_safe)  # (..., 1): rescales what was summed against the old max
+    denom_new = alpha * denom + p.sum(dim=-1, keepdim=True)
+    if values is None:
+        return m_new, denom_new
+    return m_new, denom_new, alpha * acc + p @ values  # (..., n) @ (..., n, d_v) -> (..., d_v)
 
 
 def online_softmax(x: torch.Tensor, tile_size: int) -> torch.Tensor:
@@ -85,6 +101,80 @@ def online_softmax(x: torch.Tensor, tile_size: int) -> torch.Tensor:
     )
 
 
+def fold_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+    """Grouped-query heads in the broadcast layout a tile loop reads: ``(q, k, v, mask)``.
+
+    4-D inputs ``q (B, n_heads, T_q, d)``, ``k, v (B, n_kv_heads, T_k, d)`` become
+    ``q (B, n_kv, group, T_q, d)`` against ``k, v (B, n_kv, 1, T_k, d)``: each group of query heads
+    reads its key/value head by broadcasting, without a copy. The mask is expanded to the scores'
+    shape as a view, so that tiles can be sliced from it. Other ranks pass through unchanged.
+    """
+    if q.dim() == 4:
+        B, H = q.shape[:2]
+        n_kv = k.shape[1]
+        q = q.reshape(B, n_kv, H // n_kv, *q.shape[2:])  # (B, H, T, d) -> (B, n_kv, group, T, d)
+        k, v = k.unsqueeze(2), v.unsqueeze(2)
+        if mask is not None:
+            mask = mask.unsqueeze(2) if mask.shape[1] == 1 else mask.reshape(mask.shape[0], n_kv, -1, *mask.shape[2:])
+    if mask is not None:
+        mask = mask.expand(*q.shape[:-1], k.shape[-2])  # a view
+    return q, k, v, mask
+
+
+def block_scores(q_i, k_j, q0: int, k0: int, offset: int, is_causal: bool, mask, score_mod=None, heads=None):
+    """The scores of one tile, ``S_ij = (scale · Q_i) K_jᵀ``, modified and masked: the same in every pass.
+
+    ``q_i (..., Bq, d)`` is already scaled; query row ``r`` of the tile sits at absolute position
+    ``offset + q0 + r`` (bottom-right causal alignment), key column ``c`` at ``k0 + c``. What may not
+    be seen is ``-inf``. ``score_mod`` gets the tile as ``heads + (Bq, Bk)`` (the unfolded
+    ``(B, n_heads)``) with the tile's absolute indices.
+    """
+    s = q_i @ k_j.transpose(-2, -1)  # (..., Bq, d) @ (..., d, Bk) -> (..., Bq, Bk)
+    n_q, n_k = s.shape[-2:]
+    q_pos = torch.arange(offset + q0, offset + q0 + n_q, device=s.device)[:, None]
+    k_pos = torch.arange(k0, k0 + n_k, device=s.device)[None, :]
+    if score_mod is not None:
+        b, h, _, _ = score_indices(torch.Size((*heads, 1, 1)), s.device)
+        s = score_mod(s.reshape(*heads, n_q, n_k), b, h, q_pos, k_pos).reshape(s.shape)
+    if is_causal and k0 + n_k - 1 > offset + q0:  # the tile crosses the diagonal: hide the keys after each query
+        s = s.masked_fill(k_pos > q_pos, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask[..., q0 : q0 + n_q, k0 : k0 + n_k], float("-inf"))
+    return s
+
+
+def tiled_forward(q, k, v, mask, is_causal: bool, scale: float, tile_size: int, score_mod=None, heads=None):
+    """The tile loop (FlashAttention-2's order: query tiles outside): ``(O, L)``.
+
+    Inputs in the broadcast layout of :func:`fold_groups`. ``O (..., T_q, d_v)`` in ``q``'s dtype;
+    ``L (..., T_q)``, each row's log-sum-exp ``m + log(denom)`` in float32 (or wider), ``+inf`` for a
+    row that may see no key (whose output is 0). Half-precision tiles are computed in float32.
+    """
+    work = torch.promote_types(q.dtype, torch.float32)
+    T_q, T_k = q.shape[-2], k.shape[-2]
+    offset = T_k - T_q  # query i sits at absolute position offset + i
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    out = torch.empty(*batch, T_q, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(*batch, T_q, dtype=work, device=q.device)
+    for q0 in range(0, T_q, tile_size):
+        q1 = min(q0 + tile_size, T_q)
+        q_i = q[..., q0:q1, :].to(work) * scale  # (..., Bq, d), scaled once per tile
+        m = torch.full((*batch, q1 - q0, 1), float("-inf"), dtype=work, device=q.device)  # running max
+        denom = torch.zeros_like(m)  # running Σ exp(S - m)
+        acc = torch.zeros(*batch, q1 - q0, v.shape[-1], dtype=work, device=q.device)  # running Σ exp(S - m) V
+        k_stop = min(T_k, offset + q1) if is_causal else T_k  # key tiles after the last query are never needed
+        for k0 in range(0, k_stop, tile_size):
+            k1 = min(k0 + tile_size, T_k)
+            s = block_scores(q_i, k[..., k0:k1, :].to(work), q0, k0, offset, is_causal, mask, score_mod, heads)
+            m, denom, acc = online_softmax_update(m, denom, s, v[..., k0:k1, :].to(work), acc)
+        empty = denom == 0  # a row that may see no key: output 0 (as attnlib.attention.masks.masked_softmax)
+        out[..., q0:q1, :] = (acc / denom.masked_fill(empty, 1.0)).to(out.dtype)
+        # L = m + log(denom); +inf for an empty row (FlashAttention-2's convention), so that a backward
+        # pass's P = exp(S - L) is 0 there, never exp(-inf + inf) = NaN.
+        lse[..., q0:q1] = (m + torch.log(denom)).masked_fill(empty, float("inf")).squeeze(-1)
+    return out, lse
+
+
 def tiled_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -99,14 +189,16 @@ def tiled_attention(
 ) -> tuple[torch.Tensor, None]:
     """Exact scaled dot-product attention computed tile by tile with the online softmax (the ``"tiled"`` function).
 
-    Equal to :func:`attnlib.functional.attention` up to float rounding, but it never
+    Equal to :func:`attnlib.attention.functions.attention` up to float rounding, but it never
     materialises the ``(T_q, T_k)`` scores: its extra memory is ``O(tile_size²)`` per batch
     and head. Dao et al. 2022, Algorithm 1, with the loops swapped (query tiles outside,
     as in FlashAttention-2) so that each query tile's running statistics stay local to it;
-    with ``is_causal``, key tiles entirely after a query tile are skipped. Chapter 15.
+    with ``is_causal``, key tiles entirely after a query tile are skipped. Autograd goes back
+    through every tile (saving them); :func:`~attnlib.attention.flash.flash_attention` runs the
+    same loop with FlashAttention's own backward pass instead. Chapter 15.
 
     Args:
-        q, k, v, mask, is_causal, scale, score_mod: as :func:`attnlib.functional.attention`
+        q, k, v, mask, is_causal, scale, score_mod: as :func:`attnlib.attention.functions.attention`
             (grouped K/V heads are read per group through broadcasting, a tile at a time).
         dropout_p: must be 0 (the tiled function is the algorithm, not a training kernel).
         tile_size: queries and keys per tile (positive int). (Not ``block_size``, which is the
@@ -117,7 +209,7 @@ def tiled_attention(
         inputs are computed in float32 tile by tile (as the real kernels accumulate).
 
     Raises:
-        TypeError / ValueError: see :func:`attnlib.functional.check_attention_inputs`; a
+        TypeError / ValueError: see :func:`attnlib.attention.functions.check_attention_inputs`; a
             ``tile_size`` that is not a positive int, or ``dropout_p > 0``.
     """
     check_attention_inputs(q, k, v, mask, is_causal, scale, dropout_p, score_mod)
@@ -125,47 +217,7 @@ def tiled_attention(
     if dropout_p:
         raise ValueError(f"dropout_p={dropout_p} is not supported by tiled_attention; use attn_fn='eager' or 'sdpa'")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    T_q, T_k = q.shape[-2], k.shape[-2]
-    work = torch.promote_types(q.dtype, torch.float32)  # float16/bfloat16 tiles are computed in float32
     shape = (*q.shape[:-1], v.shape[-1])
-    if q.dim() == 4:  # (B, n_kv, group, T, d): a group of query heads against its K/V head, broadcast per tile
-        B, H = q.shape[:2]
-        q = q.reshape(B, k.shape[1], H // k.shape[1], T_q, q.shape[-1])
-        k, v = k.unsqueeze(2), v.unsqueeze(2)
-        if mask is not None:
-            mask = mask.unsqueeze(2) if mask.shape[1] == 1 else mask.reshape(mask.shape[0], k.shape[1], -1, *mask.shape[2:])
-    if mask is not None:
-        mask = mask.expand(*q.shape[:-1], T_k)  # a view: tiles can be sliced from it
-    batch = q.shape[:-2]
-    offset = T_k - T_q  # query i sits at absolute position offset + i
-    out = torch.empty(*batch, T_q, v.shape[-1], dtype=q.dtype, device=q.device)
-    for q0 in range(0, T_q, tile_size):
-        q1 = min(q0 + tile_size, T_q)
-        q_tile = q[..., q0:q1, :].to(work) * scale  # (..., Bq, head_dim), scaled once per tile
-        m = torch.full((*batch, q1 - q0, 1), float("-inf"), dtype=work, device=q.device)  # running max
-        denom = torch.zeros_like(m)  # running sum of exp(score - m)
-        acc = torch.zeros(*batch, q1 - q0, v.shape[-1], dtype=work, device=q.device)  # running sum of exp(.) v
-        k_stop = min(T_k, offset + q1) if is_causal else T_k  # later keys are never needed
-        for k0 in range(0, k_stop, tile_size):
-            k1 = min(k0 + tile_size, T_k)
-            s = q_tile @ k[..., k0:k1, :].to(work).transpose(-2, -1)  # (..., Bq, d) @ (..., d, Bk) -> (..., Bq, Bk)
-            q_pos = torch.arange(offset + q0, offset + q1, device=q.device)[:, None]
-            k_pos = torch.arange(k0, k1, device=q.device)[None, :]
-            if score_mod is not None:
-                b, h, _, _ = score_indices(torch.Size((*shape[:-2], 1, 1)), q.device)
-                s = score_mod(s.reshape(*shape[:-2], q1 - q0, k1 - k0), b, h, q_pos, k_pos).reshape(s.shape)
-            if is_causal and k1 - 1 > offset + q0:  # the tile crosses the diagonal: mask what lies after it
-                s = s.masked_fill(k_pos > q_pos, float("-inf"))
-            if mask is not None:
-                s = s.masked_fill(~mask[..., q0:q1, k0:k1], float("-inf"))
-            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # (..., Bq, 1)
-            # A row that has seen only -inf so far subtracts 0 instead (exp(-inf - -inf) would be NaN).
-            m_safe = m_new.masked_fill(torch.isinf(m_new), 0.0)
-            p = torch.exp(s - m_safe)  # (..., Bq, Bk): unnormalised weights
-            alpha = torch.exp(m - m_safe)  # (..., Bq, 1): rescales what was summed against the old max
-            denom = alpha * denom + p.sum(dim=-1, keepdim=True)
-            acc = alpha * acc + p @ v[..., k0:k1, :].to(work)  # (..., Bq, Bk) @ (..., Bk, d_v) -> (..., Bq, d_v)
-            m = m_new
-        # A row with nothing to attend to has denom 0 and acc 0: its output is 0.
-        out[..., q0:q1, :] = (acc / denom.masked_fill(denom == 0, 1.0)).to(out.dtype)
+    folded = fold_groups(q, k, v, mask)
+    out, _ = tiled_forward(*folded, is_causal, scale, tile_size, score_mod, heads=shape[:-2])
     return out.reshape(shape), None

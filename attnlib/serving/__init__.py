@@ -1,20 +1,10 @@
-"""Serving: batched generation with padding, a paged KV cache, continuous batching. Chapter 19.
+"""Serving: batched generation with padding and continuous batching. Chapter 19.
 
-Speculative decoding is :func:`attnlib.generate.speculative_generate` (:mod:`attnlib.speculative`).
+:func:`left_pad` makes one batch of prompts of different lengths (the model takes its
+``attention_mask``); :func:`serve` runs continuous batching on a paged KV cache
+(:class:`attnlib.cache.PagedKVCache`). Speculative decoding is :func:`attnlib.generation.speculative_generate`.
 """
 from attnlib.serving.batching import cache_memory, request_lengths, serve
-from attnlib.serving.padding import check_attention_mask, left_pad, mask_positions
-from attnlib.serving.paged import OutOfPages, PageAllocator, PagedKVCache, PagedLayerCache
+from attnlib.serving.padding import left_pad
 
-__all__ = [
-    "OutOfPages",
-    "PageAllocator",
-    "PagedKVCache",
-    "PagedLayerCache",
-    "cache_memory",
-    "check_attention_mask",
-    "left_pad",
-    "mask_positions",
-    "request_lengths",
-    "serve",
-]
+__all__ = ["cache_memory", "left_pad", "request_lengths", "serve"]

@@ -1,10 +1,10 @@
 """Continuous batching on the paged cache, and what paging saves. Chapter 19.
 
-*Static* batching (``GPT.generate`` with ``attention_mask``) runs a batch until its longest request is
+*Static* batching (``Decoder.generate`` with ``attention_mask``) runs a batch until its longest request is
 done: a finished row keeps its slot, and a new request waits for the whole batch. *Continuous*
 batching (Yu et al. 2022, "Orca", iteration-level scheduling; vLLM) decides again at every step:
 finished requests leave, waiting ones join. :func:`serve` does this on a
-:class:`~attnlib.serving.paged.PagedKVCache`: a joining request is prefilled alone (its prompt
+:class:`~attnlib.cache.paged.PagedKVCache`: a joining request is prefilled alone (its prompt
 through the model, its pages taken), then decodes one token per step in the running batch, whose
 rows have different lengths (the cache returns them right-aligned with a mask). A leaving request
 gives its pages back at once. Without pages, a joining request would need a contiguous slab of
@@ -23,35 +23,36 @@ from collections.abc import Sequence
 import torch
 
 from attnlib._checks import generator_or_none, positive_int, token_ids
-from attnlib.decoding import check_decoding, decoder_vocab_size, stop_mask
-from attnlib.sampling import sample_next_token
+from attnlib.cache.paged import PageAllocator, PagedKVCache
+from attnlib.generation.checks import check_decoding, decoder_vocab_size, stop_mask
+from attnlib.generation.sampling import sample_next_token
+from attnlib.generation.step import step
 from attnlib.serving.padding import _as_ids
-from attnlib.serving.paged import PageAllocator, PagedKVCache
 
 __all__ = ["cache_memory", "request_lengths", "serve"]
 
 
-def request_lengths(n: int, max_len: int, seed: int = 0) -> list[int]:
-    """A mix of ``n`` request lengths (prompt + output) in ``[1, max_len]``, log-uniform (many short
+def request_lengths(n: int, block_size: int, seed: int = 0) -> list[int]:
+    """A mix of ``n`` request lengths (prompt + output) in ``[1, block_size]``, log-uniform (many short
     requests, a few long ones, as in chat traffic), from ``seed``."""
     positive_int("n", n)
-    positive_int("max_len", max_len)
+    positive_int("block_size", block_size)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int; got {seed!r} ({type(seed).__name__})")
     u = torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    return [max(1, min(max_len, int(round(math.exp(x * math.log(max_len)))))) for x in u.tolist()]
+    return [max(1, min(block_size, int(round(math.exp(x * math.log(block_size)))))) for x in u.tolist()]
 
 
-def cache_memory(lengths: Sequence[int], max_len: int, page_size: int, bytes_per_token: int = 1) -> dict:
+def cache_memory(lengths: Sequence[int], block_size: int, page_size: int, bytes_per_token: int = 1) -> dict:
     """KV-cache positions a set of requests occupies three ways, the paged one measured on a :class:`PageAllocator`.
 
-    * ``contiguous``: every request preallocates ``max_len`` positions (a :class:`~attnlib.cache.KVCache`);
+    * ``contiguous``: every request preallocates ``block_size`` positions (a :class:`~attnlib.cache.KVCache`);
     * ``padded``: one static batch, every row as long as the longest request;
     * ``paged``: pages of ``page_size`` taken as needed (at most ``page_size - 1`` positions wasted per request).
 
     Args:
-        lengths: positions each request ends with (prompt + output), each in ``[1, max_len]``.
-        max_len: the model's context (``block_size``).
+        lengths: positions each request ends with (prompt + output), each in ``[1, block_size]``.
+        block_size: the model's context (``block_size``).
         page_size: positions per page, an int >= 1.
         bytes_per_token: bytes one position takes in all layers (``model.kv_cache_bytes_per_token()``).
 
@@ -60,23 +61,23 @@ def cache_memory(lengths: Sequence[int], max_len: int, page_size: int, bytes_per
         (waste = the fraction of the reserved positions that hold no token), and ``"paged_pages"``.
 
     Raises:
-        TypeError / ValueError: ``page_size`` (named), ``max_len`` or ``bytes_per_token`` not an int >= 1;
-            ``lengths`` not a list, empty, or holding a length outside ``[1, max_len]``.
+        TypeError / ValueError: ``page_size`` (named), ``block_size`` or ``bytes_per_token`` not an int >= 1;
+            ``lengths`` not a list, empty, or holding a length outside ``[1, block_size]``.
     """
     positive_int("page_size", page_size)
-    positive_int("max_len", max_len)
+    positive_int("block_size", block_size)
     positive_int("bytes_per_token", bytes_per_token)
     if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence):
         raise TypeError(f"lengths must be a list of ints (positions per request); got {type(lengths).__name__}")
     lengths = list(lengths)
-    if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_len for n in lengths):
-        raise ValueError(f"lengths must be a non-empty list of ints in [1, max_len={max_len}]; got {lengths[:8]}")
+    if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= block_size for n in lengths):
+        raise ValueError(f"lengths must be a non-empty list of ints in [1, block_size={block_size}]; got {lengths[:8]}")
     alloc = PageAllocator(sum(math.ceil(n / page_size) for n in lengths), page_size)
     for n in lengths:
         alloc.ensure(alloc.new_sequence(), n)  # what each sequence takes by the time it has n positions
     tokens = sum(lengths)
     result = {"requests": len(lengths), "tokens": tokens, "paged_pages": alloc.pages_used}
-    for scheme, positions in (("contiguous", len(lengths) * max_len), ("padded", len(lengths) * max(lengths)),
+    for scheme, positions in (("contiguous", len(lengths) * block_size), ("padded", len(lengths) * max(lengths)),
                               ("paged", alloc.pages_used * page_size)):
         result[f"{scheme}_positions"] = positions
         result[f"{scheme}_bytes"] = positions * bytes_per_token
@@ -91,7 +92,7 @@ def serve(model, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens
     """Generate for every prompt with continuous batching on a paged cache.
 
     Args:
-        model: a :class:`attnlib.GPT` or :class:`attnlib.ModernDecoder` (run in eval mode, left so).
+        model: an :class:`attnlib.Decoder` (run in eval mode, left so).
         prompts: the requests, in arrival order: non-empty lists or 1-D tensors of ids.
         max_new_tokens: tokens to generate per request (one int for all, or one per request), >= 1;
             prompt + ``max_new_tokens`` must fit in ``block_size``.
@@ -165,7 +166,7 @@ def serve(model, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens
         while waiting and len(running) < max_batch and len(alloc.free) - owed >= worst[waiting[0]]:
             r = waiting.popleft()
             seq = running[r] = cache.add_sequence()
-            logits = model(prompts[r][None], cache=cache.select([seq]), last_only=True)[0][:, -1]  # prefill alone
+            logits = step(model, prompts[r][None], cache.select([seq]))  # prefill alone
             owed += worst[r] - len(alloc.table(seq))
             joined.append(r)
             left += emit([r], logits)
@@ -175,7 +176,7 @@ def serve(model, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens
             requests = list(running)
             cache.select([running[r] for r in requests])
             last = torch.stack([outputs[r][-1] for r in requests])[:, None]  # (B, 1): each row's newest token
-            logits = model(last, cache=cache, attention_mask=cache.attention_mask(1), last_only=True)[0][:, -1]
+            logits = step(model, last, cache, attention_mask=cache.attention_mask(1))
             done = emit(requests, logits)
             trace.append({"running": requests, "joined": joined, "left": left + done, "pages_used": alloc.pages_used})
             for r in done:

@@ -6,9 +6,9 @@ Hugging Face ``transformers``): left, so that every row's last column is a real 
 give the next one, and the new tokens of all rows are appended in the same column. The mask does
 two things in the model:
 
-* pads are never attended to (it is the attention's ``key_padding_mask``, cached positions included);
-* each row's positions start at its first real token (:func:`mask_positions`), so RoPE and learned
-  position tables see exactly the positions the prompt would have alone.
+* pads are never attended to (every layer hides them, cached positions included);
+* each row's positions start at its first real token (:func:`attnlib.attention.masks.mask_positions`),
+  so RoPE and learned position tables see exactly the positions the prompt would have alone.
 
 With both, every prompt gets, greedily, the tokens it gets alone (tests/test_batched_generation.py).
 """
@@ -20,61 +20,7 @@ import torch
 
 from attnlib._checks import positive_int, token_ids
 
-__all__ = ["check_attention_mask", "left_pad", "mask_positions"]
-
-
-def check_attention_mask(attention_mask: object, shape: tuple[int, int], device: torch.device | None = None,
-                         *, left_padded: bool = False) -> torch.Tensor:
-    """Check a padding mask and return it.
-
-    Args:
-        attention_mask: ``(B, T)`` bool, ``True`` = a real token.
-        shape: the ``(B, T)`` it must have (the tokens it describes, cached ones included).
-        device: the device it must be on (the tokens'), or ``None``.
-        left_padded: also require left padding: no padding after a real token in any row.
-
-    Returns:
-        ``attention_mask`` unchanged.
-
-    Raises:
-        TypeError: not a bool tensor (``transformers`` uses 0/1 integers: convert with ``.bool()``).
-        ValueError: another shape or device; a row with no real token (named: it would have nothing to
-            attend to and no last token to continue); with ``left_padded``, padding after a real token.
-    """
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
-        raise TypeError("attention_mask must be a bool tensor (B, T), True = a real token; got "
-                        f"{getattr(attention_mask, 'dtype', type(attention_mask).__name__)} (use mask.bool())")
-    if tuple(attention_mask.shape) != tuple(shape):
-        raise ValueError(f"attention_mask must have shape (B, T) = {tuple(shape)}; got {tuple(attention_mask.shape)}")
-    if device is not None and attention_mask.device != device:
-        raise ValueError(f"attention_mask is on {attention_mask.device} but the tokens are on {device}")
-    empty = (~attention_mask.any(dim=-1)).nonzero().flatten().tolist()
-    if empty:
-        raise ValueError(f"attention_mask row {empty[0]} is all padding (rows {empty} hold no real token); "
-                         "every prompt needs at least one real token")
-    if left_padded:
-        late = (attention_mask[:, 1:] < attention_mask[:, :-1]).any(dim=-1).nonzero().flatten().tolist()
-        if late:
-            raise ValueError(f"attention_mask row {late[0]} has padding after a real token; prompts must be "
-                             "left-padded (the last column of every row a real token)")
-    return attention_mask
-
-
-def mask_positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Each token's position counted from its row's first real token: ``(B, T)`` bool → ``(B, T)`` int64.
-
-    Real tokens get ``0, 1, …`` in order; a pad gets the position of the last real token before it
-    (0 before the first): it is never attended to, so any position in range does.
-
-    Raises:
-        TypeError: not a bool tensor. ValueError: not 2-D ``(B, T)``.
-    """
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
-        raise TypeError("attention_mask must be a bool tensor (B, T), True = a real token; got "
-                        f"{getattr(attention_mask, 'dtype', type(attention_mask).__name__)} (use mask.bool())")
-    if attention_mask.dim() != 2:
-        raise ValueError(f"attention_mask must have shape (B, T); got {tuple(attention_mask.shape)}")
-    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+__all__ = ["left_pad"]
 
 
 def _as_ids(name: str, prompt: object) -> torch.Tensor:

@@ -177,7 +177,7 @@ class WordTokenizer:
             ``(ids, attention_mask)``: ``ids`` a LongTensor ``(B, T)`` filled with ``PAD_ID`` after
             each sequence, ``T`` the longest (truncated) length; ``attention_mask`` a bool tensor
             ``(B, T)``, True at real tokens. ``attention_mask.sum(1)`` gives the lengths, the
-            ``lengths`` argument of ``attnlib.functional.padding_mask``.
+            ``lengths`` argument of ``attnlib.attention.masks.padding_mask``.
 
         Raises:
             ValueError: the batch is empty, ``max_len`` is negative, or an id is outside the vocabulary (named).

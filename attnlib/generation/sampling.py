@@ -1,7 +1,7 @@
 """Choosing the next token from logits: greedy, temperature, top-k and top-p (nucleus) sampling.
 
 Chapter 12. Nucleus sampling: Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration".
-The settings are checked by :func:`check_sampling`, which :mod:`attnlib.generate` calls once
+The settings are checked by :func:`check_sampling`, which the decoding loops (:mod:`attnlib.generation`) call once
 before decoding starts.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from attnlib._checks import positive_int
-from attnlib.functional import masked_softmax
+from attnlib.attention.masks import masked_softmax
 
 __all__ = ["TARGET_ACTIVATIONS", "TARGET_MODES", "TargetAttention"]
 

@@ -1,13 +1,9 @@
-"""Positional information for attention, which on its own is blind to order. Chapter 10.
+"""Rotary position embedding (RoPE, Su et al. 2021, §3.4): queries and keys turned by their positions.
 
-Three ways to tell a layer where a token is:
-
-- :func:`sinusoidal_encoding` / :class:`SinusoidalPositionalEncoding`: a fixed table of
-  sines and cosines added to the token embeddings (Vaswani et al. 2017, §3.5);
-- :class:`LearnedPositionalEmbedding`: one trained vector per position (as in GPT-2);
-- :class:`RotaryEmbedding` (RoPE, Su et al. 2021): queries and keys are rotated by an angle
-  proportional to their position, so that their dot product depends only on the offset
-  between the two positions.
+Chapter 10 derives it, chapter 16 puts it inside a decoder's attention, chapter 17 stretches it
+(:mod:`attnlib.positional.scaling`). Each pair of a head's numbers at position ``m`` is rotated by
+an angle proportional to ``m``, so that the dot product of a query and a key depends only on the
+offset between their positions.
 """
 from __future__ import annotations
 
@@ -17,100 +13,10 @@ import torch
 from torch import nn
 
 from attnlib._checks import float_input, positive_int
-from attnlib.rope import rope_frequencies
+from attnlib.positional.absolute import even
+from attnlib.positional.scaling import rope_frequencies
 
-__all__ = ["LearnedPositionalEmbedding", "RotaryEmbedding", "SinusoidalPositionalEncoding", "rope_frequencies",
-           "sinusoidal_encoding"]
-
-
-def _even(name: str, value: int) -> None:
-    positive_int(name, value)
-    if value % 2:
-        raise ValueError(f"{name}={value} must be even (dimensions are used in pairs)")
-
-
-def sinusoidal_encoding(T: int, d_model: int, base: float = 10000.0) -> torch.Tensor:
-    """The sinusoidal position table of Vaswani et al. 2017, §3.5.
-
-    ``PE[pos, 2i] = sin(pos / base^(2i / d_model))`` and ``PE[pos, 2i+1] = cos(pos / base^(2i / d_model))``:
-    pair ``i`` turns at frequency ``base^(-2i/d_model)``, from one radian per position (i = 0)
-    down to about ``1 / base``.
-
-    Args:
-        T: number of positions (>= 1).
-        d_model: width (even).
-        base: the wavelength scale (10000 in the paper).
-
-    Returns:
-        ``(T, d_model)`` float32 tensor.
-
-    Raises:
-        TypeError / ValueError: ``T`` not a positive int, ``d_model`` not a positive even int.
-    """
-    positive_int("T", T)
-    _even("d_model", d_model)
-    position = torch.arange(T, dtype=torch.float32)[:, None]  # (T, 1)
-    freq = torch.exp(-math.log(base) * torch.arange(0, d_model, 2, dtype=torch.float32) / d_model)  # (d_model/2,)
-    angle = position * freq  # (T, 1) * (d_model/2,) -> (T, d_model/2)
-    pe = torch.empty(T, d_model)
-    pe[:, 0::2] = torch.sin(angle)
-    pe[:, 1::2] = torch.cos(angle)
-    return pe
-
-
-class SinusoidalPositionalEncoding(nn.Module):
-    """Adds the fixed :func:`sinusoidal_encoding` table to its input. No parameters.
-
-    Args:
-        d_model: width (even).
-        max_len: longest sequence accepted.
-
-    Shapes:
-        ``forward(x (B, T, d_model))`` → ``(B, T, d_model)``, ``x + PE[:T]``.
-
-    Raises:
-        ValueError: ``T > max_len`` or a wrong width.
-    """
-
-    def __init__(self, d_model: int, max_len: int) -> None:
-        super().__init__()
-        positive_int("max_len", max_len)
-        self.d_model, self.max_len = d_model, max_len
-        self.register_buffer("pe", sinusoidal_encoding(max_len, d_model), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x + PE[:T]`` for ``x`` of shape ``(B, T, d_model)``."""
-        float_input(x, self.d_model, self.max_len)
-        return x + self.pe[: x.shape[-2]].to(x.dtype)  # (T, d_model) broadcast over B
-
-
-class LearnedPositionalEmbedding(nn.Module):
-    """Adds a trained vector per position, ``x + P[:T]`` (``P`` an ``nn.Embedding(max_len, d_model)``).
-
-    Args:
-        max_len: number of positions (the longest sequence accepted).
-        d_model: width.
-
-    Shapes:
-        ``forward(x (B, T, d_model))`` → ``(B, T, d_model)``.
-
-    Raises:
-        ValueError: ``T > max_len`` or a wrong width.
-    """
-
-    def __init__(self, max_len: int, d_model: int) -> None:
-        super().__init__()
-        positive_int("max_len", max_len)
-        positive_int("d_model", d_model)
-        self.d_model, self.max_len = d_model, max_len
-        self.weight = nn.Embedding(max_len, d_model)
-        nn.init.normal_(self.weight.weight, std=0.02)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x + P[:T]`` for ``x`` of shape ``(B, T, d_model)``."""
-        float_input(x, self.d_model, self.max_len)
-        positions = torch.arange(x.shape[-2], device=x.device)
-        return x + self.weight(positions)  # (T, d_model) broadcast over B
+__all__ = ["RotaryEmbedding", "interleaved_to_half_split", "turn"]
 
 
 def _real_positions(positions: object) -> None:
@@ -166,21 +72,21 @@ class RotaryEmbedding(nn.Module):
     Mistral code (``rotate_half``): pair ``i`` is ``(x[i], x[i + head_dim/2])``. The RoFormer
     paper and Meta's reference Llama code use the *interleaved* pairing ``(x[2i], x[2i+1])``;
     the two are the same rotation up to a fixed permutation of each head's rows of ``W_Q`` and
-    ``W_K`` (:func:`attnlib.rope.interleaved_to_half_split`, chapter 16), but weights trained
+    ``W_K`` (:func:`interleaved_to_half_split`, chapter 16), but weights trained
     with one do not work with the other.
 
     Args:
         head_dim: size of one head (even).
         base: the wavelength scale (10000 as in the paper and LLaMA).
         rope_scaling: None, or a scaling for contexts longer than training in ``transformers``' format
-            (``linear``, ``dynamic``, ``llama3``, ``yarn``): see :func:`attnlib.rope.rope_frequencies`.
+            (``linear``, ``dynamic``, ``llama3``, ``yarn``): see :func:`attnlib.positional.scaling.rope_frequencies`.
             YaRN's attention factor multiplies cos and sin, as in ``transformers``.
         max_position_embeddings: the context the model serves (``dynamic`` needs it: its base grows
             with the largest position rotated once that passes this length).
 
     Raises:
         TypeError / ValueError: ``head_dim`` not a positive even int; ``base`` not a number, not finite, or ``<= 1``;
-            a ``rope_scaling`` that :func:`~attnlib.rope.rope_frequencies` refuses.
+            a ``rope_scaling`` that :func:`~attnlib.positional.scaling.rope_frequencies` refuses.
 
     (The rotation is :meth:`rotate`, not ``apply``: ``apply`` is ``nn.Module.apply(fn)``, which
     ``model.apply(init_fn)`` calls on every submodule.)
@@ -189,7 +95,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, base: float = 10000.0, rope_scaling: dict | None = None,
                  max_position_embeddings: int | None = None) -> None:
         super().__init__()
-        _even("head_dim", head_dim)
+        even("head_dim", head_dim)
         if not isinstance(base, (int, float)) or isinstance(base, bool):
             raise TypeError(f"base must be a float; got {base!r} ({type(base).__name__})")
         if not math.isfinite(base) or base <= 1:
@@ -278,3 +184,31 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Same as :meth:`rotate`."""
         return self.rotate(x, positions)
+
+
+def interleaved_to_half_split(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder the rows of a query or key projection from interleaved RoPE pairs to half-split ones.
+
+    Meta's Llama code rotates pairs ``(x[2i], x[2i+1])`` of each head (a complex view);
+    ``transformers`` and :class:`RotaryEmbedding` rotate ``(x[i], x[i + head_dim/2])``.
+    Putting each head's even rows first and its odd rows after (the permutation of
+    ``transformers``' Llama conversion script) makes half-split RoPE on the new weight give the
+    same attention scores as interleaved RoPE on the old one.
+
+    Args:
+        weight: ``(n_heads · head_dim, d_model)`` (``nn.Linear`` layout), or a bias ``(n_heads · head_dim,)``.
+        n_heads: heads in it (the key/value heads for ``W_k``).
+
+    Returns:
+        a tensor like ``weight``, rows reordered within each head.
+
+    Raises:
+        ValueError: ``n_heads`` does not divide the rows into heads of an even width.
+    """
+    positive_int("n_heads", n_heads)
+    rows = weight.shape[0]
+    if rows % n_heads or (rows // n_heads) % 2:
+        raise ValueError(f"weight has {rows} rows: not n_heads={n_heads} heads of an even head_dim")
+    head_dim = rows // n_heads
+    order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])  # evens, then odds
+    return weight.reshape(n_heads, head_dim, *weight.shape[1:])[:, order].reshape(weight.shape)

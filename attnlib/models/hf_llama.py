@@ -1,4 +1,4 @@
-"""Loading Hugging Face Llama, Qwen3 and Mistral weights into :class:`attnlib.ModernDecoder`. Chapter 16.
+"""Loading Hugging Face Llama, Qwen3 and Mistral weights into an :class:`attnlib.Decoder`. Chapter 16.
 
 ``transformers``' ``LlamaForCausalLM`` and ``Qwen3ForCausalLM`` keep separate ``q_proj``,
 ``k_proj``, ``v_proj`` (stacked here into attnlib's fused ``qkv``, rows ``[W_q; W_k; W_v]``) and
@@ -16,8 +16,9 @@ from collections.abc import Mapping
 
 import torch
 
-from attnlib.modern import ModernConfig, ModernDecoder
-from attnlib.rope import ROPE_TYPES
+from attnlib.models.config import DecoderConfig
+from attnlib.models.decoder import Decoder
+from attnlib.positional.scaling import ROPE_TYPES
 
 __all__ = ["config_from_hf_decoder", "from_hf_llama", "from_hf_mistral", "from_hf_qwen3"]
 
@@ -52,25 +53,33 @@ def _int_field(get, name: str, *, optional: bool = False) -> int | None:
     return value
 
 
-def _qwen3_window(get, n_layers: int) -> int | None:
-    """Qwen3's one window, from ``layer_types`` as ``transformers`` builds them (layers from ``max_window_layers`` on
-    slide when ``use_sliding_window``); a mix of sliding and full layers is refused."""
+def _qwen3_layers(get, n_layers: int) -> tuple[tuple[str, ...], int | None]:
+    """Qwen3's ``layer_types`` and window, as ``transformers`` builds them: given, or layers from
+    ``max_window_layers`` on slide when ``use_sliding_window``. A sliding layer without a window attends to
+    everything in ``transformers`` (its window is ``None``): it is a full layer here."""
     window = get("sliding_window", None) if _flag(get, "use_sliding_window") else None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding_window={window!r} must be an int >= 1 (the config's sliding_window)")
     types = get("layer_types", None)
     if types is None:
         first = get("max_window_layers", 28)
         types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n_layers)]
+    if isinstance(types, (str, bytes)) or not hasattr(types, "__iter__"):
+        raise ValueError(f"layer_types={types!r} must be a list of 'full_attention' / 'sliding_attention'")
     types = list(types)
     if len(types) != n_layers or not set(types) <= {"sliding_attention", "full_attention"}:
         raise ValueError(f"cannot reproduce layer_types={types!r}: expected {n_layers} of 'full_attention' / "
                          "'sliding_attention'")
-    if len(set(types)) > 1 and window is not None:
-        raise ValueError(f"cannot reproduce layer_types={types!r}: sliding windows on only some layers are not reproduced")
-    return window if "sliding_attention" in types else None
+    if window is None:
+        types = ["full_attention"] * n_layers
+    return tuple(types), window if "sliding_attention" in types else None
 
 
-def config_from_hf_decoder(hf_config, family: str) -> ModernConfig:
-    """The :class:`ModernConfig` of a ``transformers`` Llama / Qwen3 / Mistral config.
+def config_from_hf_decoder(hf_config, family: str) -> DecoderConfig:
+    """The :class:`~attnlib.DecoderConfig` of a ``transformers`` Llama / Qwen3 / Mistral config.
+
+    Qwen3's ``layer_types`` map one to one (sliding and full layers, mixed as the config says); a
+    Mistral config's window applies to every layer, as in ``transformers``.
 
     Args:
         hf_config: a ``transformers`` config (``LlamaConfig``, ...) or its dict (``config.json``, either the
@@ -81,7 +90,7 @@ def config_from_hf_decoder(hf_config, family: str) -> ModernConfig:
         TypeError: ``hf_config`` neither a mapping nor a config object.
         ValueError: a setting attnlib cannot reproduce (another activation, MLP biases, a RoPE
             type or field :func:`~attnlib.positional.rope_frequencies` does not know, partial rotary,
-            tensor-parallel pretraining, sliding windows on only some layers), a size that is missing or not an
+            tensor-parallel pretraining, a layer type other than full or sliding), a size that is missing or not an
             int >= 1, a flag that is not a bool, a ``rms_norm_eps`` or ``rope_theta`` that is not a number; named.
     """
     if family not in _FAMILIES:
@@ -119,23 +128,31 @@ def config_from_hf_decoder(hf_config, family: str) -> ModernConfig:
         if bad:
             raise ValueError(f"cannot reproduce {name}={get(name)!r}: {why}")
     if family == "qwen3":
-        window = _qwen3_window(get, sizes["num_hidden_layers"])
+        layer_types, window = _qwen3_layers(get, sizes["num_hidden_layers"])
     else:  # Mistral: one window for every layer (transformers ignores layer_types there); Llama: none
         window = get("sliding_window", None) if family == "mistral" else None
-    return ModernConfig(
+        layer_types = None
+    return DecoderConfig.llama(
         vocab_size=sizes["vocab_size"], block_size=sizes["max_position_embeddings"],
         n_layers=sizes["num_hidden_layers"], n_heads=sizes["num_attention_heads"], d_model=sizes["hidden_size"],
         n_kv_heads=n_kv_heads or sizes["num_attention_heads"],
         head_dim=head_dim or sizes["hidden_size"] // sizes["num_attention_heads"],
         d_ff=sizes["intermediate_size"], rope_base=float(theta), rope_scaling=None if kind == "default" else rope,
         norm_eps=float(eps), qk_norm=family == "qwen3", tie_embeddings=_flag(get, "tie_word_embeddings"),
-        bias=_flag(get, "attention_bias"), sliding_window=window,
+        attention_bias=_flag(get, "attention_bias"), layer_types=layer_types, sliding_window=window,
     )
 
 
-def _load(model_or_state_dict, config, family: str) -> ModernDecoder:
+def _load(model_or_state_dict, config, family: str) -> Decoder:
     if isinstance(model_or_state_dict, torch.nn.Module):
-        config = model_or_state_dict.config if config is None else config
+        own_config = getattr(model_or_state_dict, "config", None)
+        if config is not None and own_config is not None:  # a second config must describe the same model
+            given, own = config_from_hf_decoder(config, family), config_from_hf_decoder(own_config, family)
+            differ = {k: (v, own.to_dict()[k]) for k, v in given.to_dict().items() if own.to_dict()[k] != v}
+            if differ:
+                raise ValueError(f"config contradicts the model's own config: {differ} (given, the model's); "
+                                 "leave config=None to use the model's")
+        config = own_config if config is None else config
         state = model_or_state_dict.state_dict()
     elif isinstance(model_or_state_dict, Mapping):
         if config is None:
@@ -148,14 +165,14 @@ def _load(model_or_state_dict, config, family: str) -> ModernDecoder:
             raise TypeError(f"the state dict's {key!r} is a {type(value).__name__}; expected a torch.Tensor")
         if value.device.type == "meta":
             raise ValueError(f"the state dict's {key!r} is on the meta device (no values): load the weights first")
-    ours = ModernDecoder(config_from_hf_decoder(config, family))
+    ours = Decoder(config_from_hf_decoder(config, family))
     c = ours.config
     own = ours.state_dict()
     wanted = {"tok_emb.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight"}
     if not c.tie_embeddings:
         wanted["lm_head.weight"] = "lm_head.weight"
     absent, present = {}, set()  # fused qkv name -> the q/k/v names it lacks; the q/k/v names left unstacked
-    rows = {"q": c.n_heads * c.head_size, "k": c.kv_heads * c.head_size, "v": c.kv_heads * c.head_size}
+    rows = {"q": c.n_heads * c.head_dim, "k": c.n_kv_heads * c.head_dim, "v": c.n_kv_heads * c.head_dim}
     for i in range(c.n_layers):
         for mine, theirs in _BLOCK_KEYS.items():
             wanted[f"blocks.{i}.{mine}"] = f"model.layers.{i}.{theirs}"
@@ -186,12 +203,13 @@ def _load(model_or_state_dict, config, family: str) -> ModernDecoder:
     return ours.to(state["model.embed_tokens.weight"].dtype)  # the weights' dtype (not a stray float32 buffer's)
 
 
-def from_hf_llama(model_or_state_dict, config=None) -> ModernDecoder:
-    """An attnlib :class:`ModernDecoder` equal to a ``transformers`` ``LlamaForCausalLM``.
+def from_hf_llama(model_or_state_dict, config=None) -> Decoder:
+    """An attnlib :class:`~attnlib.Decoder` equal to a ``transformers`` ``LlamaForCausalLM``.
 
     Args:
         model_or_state_dict: a ``LlamaForCausalLM``, or its ``state_dict()`` (then ``config`` is needed).
-        config: the ``LlamaConfig`` (or its dict); default: the model's.
+        config: the ``LlamaConfig`` (or its dict); default: the model's. Given with a model, it must describe
+            the same model (a contradiction is refused, never loaded).
 
     Returns:
         a model in the weights' dtype whose ``forward(idx)`` gives the same logits (1e-5 in float32).
@@ -199,16 +217,18 @@ def from_hf_llama(model_or_state_dict, config=None) -> ModernDecoder:
     Raises:
         TypeError: neither a model nor a mapping; a state dict value that is not a tensor.
         ValueError: a setting attnlib cannot reproduce (:func:`config_from_hf_decoder`), missing or unexpected
-            weights (``q_proj``/``k_proj``/``v_proj`` named one by one), a shape mismatch, weights on the meta device.
+            weights (``q_proj``/``k_proj``/``v_proj`` named one by one), a shape mismatch, weights on the meta device,
+            a ``config`` that contradicts the model's own.
     """
     return _load(model_or_state_dict, config, "llama")
 
 
-def from_hf_qwen3(model_or_state_dict, config=None) -> ModernDecoder:
-    """As :func:`from_hf_llama`, for ``Qwen3ForCausalLM`` (QK-norm, its own ``head_dim``)."""
+def from_hf_qwen3(model_or_state_dict, config=None) -> Decoder:
+    """As :func:`from_hf_llama`, for ``Qwen3ForCausalLM`` (QK-norm, its own ``head_dim``, ``layer_types`` mixing
+    sliding and full layers)."""
     return _load(model_or_state_dict, config, "qwen3")
 
 
-def from_hf_mistral(model_or_state_dict, config=None) -> ModernDecoder:
+def from_hf_mistral(model_or_state_dict, config=None) -> Decoder:
     """As :func:`from_hf_llama`, for ``MistralForCausalLM`` (a sliding window on every layer)."""
     return _load(model_or_state_dict, config, "mistral")

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from attnlib.config import GPTConfig
-from attnlib.model import GPT
+from attnlib.models.config import GPTConfig
+from attnlib.models.decoder import GPT
 
 __all__ = ["config_from_hf", "from_hf_gpt2", "hf_gpt2_key_map", "parameter_breakdown", "saved_activation_bytes"]
 
@@ -122,10 +122,13 @@ def _check_config(config: GPTConfig, source_config: GPTConfig | None) -> None:
     """Refuse a config whose model cannot hold GPT-2's weights (or, given the source's, differs from it)."""
     if not isinstance(config, GPTConfig):
         raise TypeError(f"config must be an attnlib.GPTConfig or None; got {type(config).__name__}")
-    if config.attention != "mha":
-        raise ValueError(f"config.attention={config.attention!r}: GPT-2 has multi-head attention ('mha')")
-    if not config.bias:
-        raise ValueError("config.bias=False: GPT-2 has biases in every Linear layer and LayerNorm")
+    layout = {"attention": "mha", "bias": True, "position": "learned", "norm": "layernorm", "norm_eps": _LAYER_NORM_EPS,
+              "norm_placement": "pre", "feedforward": "gelu", "d_ff": 4 * config.d_model,
+              "head_dim": config.d_model // config.n_heads, "qk_norm": False, "tie_embeddings": True,
+              "layer_types": ("full_attention",) * config.n_layers, "attn_softcap": None}
+    for name, value in layout.items():
+        if getattr(config, name) != value:
+            raise ValueError(f"config.{name}={getattr(config, name)!r}: GPT-2's layout has {name}={value!r}")
     if source_config is None:
         if config.gelu_approximate != "tanh":
             raise ValueError(f"config.gelu_approximate={config.gelu_approximate!r}: GPT-2 uses the tanh GELU "

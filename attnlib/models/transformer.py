@@ -1,14 +1,14 @@
 """The encoder–decoder Transformer of Vaswani et al. 2017, built from attnlib's pieces. Chapter 10.
 
 - :class:`EncoderLayer`: self-attention (``MultiHeadAttention(causal=False)``, source padding masked)
-  + the feed-forward block :class:`attnlib.feedforward.FeedForward` (the GPT's too).
+  + the feed-forward block :class:`attnlib.layers.feedforward.FeedForward` (the GPT's too).
 - :class:`DecoderLayer`: causal self-attention + cross-attention to the encoder output (the same
   ``MultiHeadAttention``, ``causal=False``, called with a context) + feed-forward.
 - :class:`Transformer`: embeddings + sinusoidal positions, ``n_layers`` encoder layers **chained**
   (each reads the previous one's output), ``n_layers`` decoder layers chained, a linear head.
   ``forward`` is teacher-forced and returns logits and a loss (it never samples);
   :meth:`Transformer.greedy_decode` and :meth:`Transformer.beam_decode` generate, through the
-  decode loop and beam search every decoder of the library shares (:mod:`attnlib.generate`).
+  loops every decoder of the library shares (:mod:`attnlib.generation`).
 
 Every residual block is either pre-LN (``norm_first=True``: ``x + f(norm(x))``, with a final
 norm after the last layer) or post-LN (``norm_first=False``: ``norm(x + f(x))``, the 2017 paper).
@@ -16,18 +16,19 @@ norm after the last layer) or post-LN (``norm_first=False``: ``norm(x + f(x))``,
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
 from attnlib._checks import cross_entropy_loss, divisible, eval_mode, positive_int, probability, token_ids
 from attnlib.attention.multi_head import MultiHeadAttention
-from attnlib.beam import beam_search
-from attnlib.decoding import check_decoding, stop_mask
-from attnlib.feedforward import FeedForward
-from attnlib.generate import decode
-from attnlib.norms import LayerNorm
-from attnlib.positional import SinusoidalPositionalEncoding
+from attnlib.generation.beam import beam_search
+from attnlib.generation.checks import check_decoding, stop_mask
+from attnlib.generation.generate import generate
+from attnlib.layers.feedforward import FeedForward
+from attnlib.layers.norms import LayerNorm
+from attnlib.positional.absolute import SinusoidalPositionalEncoding
 
 __all__ = ["DecoderLayer", "EncoderLayer", "FeedForward", "Transformer"]
 
@@ -43,7 +44,7 @@ class EncoderLayer(nn.Module):
         gelu_approximate: passed to :class:`FeedForward`.
 
     Shapes:
-        ``forward(x (B, T_src, d_model), src_mask (B, T_src) bool, True = real token)`` → ``(B, T_src, d_model)``.
+        ``forward(x (B, T_src, d_model), attention_mask (B, T_src) bool, True = real token)`` → ``(B, T_src, d_model)``.
     """
 
     def __init__(
@@ -61,12 +62,12 @@ class EncoderLayer(nn.Module):
         self.ff = FeedForward(d_model, d_ff, dropout, gelu_approximate)
         self.norm_1, self.norm_2 = LayerNorm(d_model), LayerNorm(d_model)
 
-    def forward(self, x: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         # padding keys are hidden from every query (True = real token)
         if self.norm_first:
-            x = x + self.self_attn(self.norm_1(x), key_padding_mask=src_mask)
+            x = x + self.self_attn(self.norm_1(x), attention_mask=attention_mask)
             return x + self.ff(self.norm_2(x))
-        x = self.norm_1(x + self.self_attn(x, key_padding_mask=src_mask))
+        x = self.norm_1(x + self.self_attn(x, attention_mask=attention_mask))
         return self.norm_2(x + self.ff(x))
 
 
@@ -76,7 +77,8 @@ class DecoderLayer(nn.Module):
     Args: as :class:`EncoderLayer`.
 
     Shapes:
-        ``forward(x (B, T_tgt, d_model), memory (B, T_src, d_model), src_mask (B, T_src))`` → ``(B, T_tgt, d_model)``.
+        ``forward(x (B, T_tgt, d_model), memory (B, T_src, d_model), encoder_attention_mask (B, T_src))`` →
+        ``(B, T_tgt, d_model)``.
         Target position ``t`` sees target positions ``<= t`` and every real source position.
     """
 
@@ -96,37 +98,41 @@ class DecoderLayer(nn.Module):
         self.ff = FeedForward(d_model, d_ff, dropout, gelu_approximate)
         self.norm_1, self.norm_2, self.norm_3 = LayerNorm(d_model), LayerNorm(d_model), LayerNorm(d_model)
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, memory: torch.Tensor,
+                encoder_attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        pad = encoder_attention_mask  # the source's padding, hidden from every target query (True = real token)
         if self.norm_first:
             x = x + self.self_attn(self.norm_1(x))
-            x = x + self.cross_attn(self.norm_2(x), memory, key_padding_mask=src_mask)  # queries x, keys/values memory
+            x = x + self.cross_attn(self.norm_2(x), memory, attention_mask=pad)  # queries x, keys/values memory
             return x + self.ff(self.norm_3(x))
         x = self.norm_1(x + self.self_attn(x))
-        x = self.norm_2(x + self.cross_attn(x, memory, key_padding_mask=src_mask))
+        x = self.norm_2(x + self.cross_attn(x, memory, attention_mask=pad))
         return self.norm_3(x + self.ff(x))
 
 
 class _BoundDecoder:
-    """The decoder with one encoded source bound: a *decoder* for :mod:`attnlib.generate` and :mod:`attnlib.beam`.
+    """The decoder with one encoded source bound: a *decoder* for the loops of :mod:`attnlib.generation`.
 
-    ``next_token_logits(tokens (n, T), cache, n_new)`` reruns the decoder on the whole target
-    prefix (no cache: ``new_cache()`` returns ``None``) against the source memory, whose batch
-    of one is repeated for every beam when beam search asks for more rows.
+    Called on the whole target prefix (it keeps no cache: ``new_cache()`` returns ``None``), it
+    runs the decoder against the source memory, whose batch of one is repeated for every beam when
+    beam search asks for more rows.
     """
 
-    def __init__(self, model: Transformer, memory: torch.Tensor, src_mask: torch.Tensor) -> None:
-        self.model, self.memory, self.src_mask = model, memory, src_mask
-        self.vocab_size = model.tgt_emb.num_embeddings
+    def __init__(self, model: Transformer, memory: torch.Tensor, encoder_attention_mask: torch.Tensor) -> None:
+        self.model, self.memory, self.encoder_attention_mask = model, memory, encoder_attention_mask
+        self.config = SimpleNamespace(vocab_size=model.tgt_emb.num_embeddings, block_size=model.block_size)
 
-    def new_cache(self) -> None:
+    def new_cache(self, windows: bool = True) -> None:
         return None
 
-    def next_token_logits(self, tokens: torch.Tensor, cache: None, n_new: int) -> tuple[torch.Tensor, None]:
-        memory, src_mask = self.memory, self.src_mask
+    def __call__(self, tokens: torch.Tensor, cache: None = None, attention_mask: None = None, positions: None = None,
+                 last_only: bool = False) -> tuple[torch.Tensor, None]:
+        memory, pad = self.memory, self.encoder_attention_mask
         if memory.shape[0] != tokens.shape[0]:  # one source, several beams
             memory = memory.expand(tokens.shape[0], -1, -1)  # (1, T_src, d_model) -> (n_beams, T_src, d_model)
-            src_mask = src_mask.expand(tokens.shape[0], -1)  # (1, T_src) -> (n_beams, T_src)
-        return self.model.decode(tokens, memory, src_mask)[:, -1], None  # (n, tgt_vocab_size)
+            pad = pad.expand(tokens.shape[0], -1)  # (1, T_src) -> (n_beams, T_src)
+        logits = self.model.decode(tokens, memory, pad)  # (n, T, tgt_vocab_size)
+        return (logits[:, -1:] if last_only else logits), None
 
 
 class Transformer(nn.Module):
@@ -141,7 +147,7 @@ class Transformer(nn.Module):
         d_model: width; n_heads: heads per attention layer.
         n_layers: layers in the encoder, and again in the decoder.
         d_ff: feed-forward hidden width (default ``4 * d_model``).
-        max_len: longest source and longest target (including ``bos_id``) accepted.
+        block_size: longest source and longest target (including ``bos_id``) accepted.
         dropout: dropout everywhere (training only).
         norm_first: pre-LN (``True``, with a final LayerNorm on each stack) or post-LN (``False``).
         pad_id: padding id in both vocabularies: source padding is masked out of every
@@ -162,7 +168,7 @@ class Transformer(nn.Module):
         n_heads: int = 4,
         n_layers: int = 2,
         d_ff: int | None = None,
-        max_len: int = 64,
+        block_size: int = 64,
         dropout: float = 0.0,
         norm_first: bool = True,
         pad_id: int = 0,
@@ -172,7 +178,7 @@ class Transformer(nn.Module):
     ) -> None:
         super().__init__()
         for name, value in [("src_vocab_size", src_vocab_size), ("tgt_vocab_size", tgt_vocab_size),
-                            ("d_model", d_model), ("n_heads", n_heads), ("n_layers", n_layers), ("max_len", max_len)]:
+                            ("d_model", d_model), ("n_heads", n_heads), ("n_layers", n_layers), ("block_size", block_size)]:
             positive_int(name, value)
         divisible("d_model", d_model, "n_heads", n_heads)
         d_ff = 4 * d_model if d_ff is None else d_ff
@@ -182,13 +188,13 @@ class Transformer(nn.Module):
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < min(src_vocab_size, tgt_vocab_size):
                 raise ValueError(f"{name}={value!r} must be an id in both vocabularies "
                                  f"(0 <= id < {min(src_vocab_size, tgt_vocab_size)})")
-        self.d_model, self.max_len, self.norm_first = d_model, max_len, norm_first
+        self.d_model, self.block_size, self.norm_first = d_model, block_size, norm_first
         self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
         self.src_emb = nn.Embedding(src_vocab_size, d_model)
         self.tgt_emb = nn.Embedding(tgt_vocab_size, d_model)
         for emb in (self.src_emb, self.tgt_emb):
             nn.init.normal_(emb.weight, std=d_model**-0.5)  # times sqrt(d_model) below: unit scale, like the positions
-        self.pos = SinusoidalPositionalEncoding(d_model, max_len)
+        self.pos = SinusoidalPositionalEncoding(d_model, block_size)
         self.dropout = nn.Dropout(dropout)
         layer_args = (d_model, n_heads, d_ff, dropout, norm_first, gelu_approximate)
         self.encoder = nn.ModuleList([EncoderLayer(*layer_args) for _ in range(n_layers)])
@@ -198,12 +204,12 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(d_model, tgt_vocab_size)
 
     def _tokens(self, name: str, idx: object, vocab_size: int) -> torch.Tensor:
-        """Check ``idx`` (``(B, T)``, any integer dtype, ``1 <= T <= max_len``, ids in the vocabulary); return it as int64."""
+        """Check ``idx`` (``(B, T)``, any integer dtype, ``1 <= T <= block_size``, ids in the vocabulary); return it as int64."""
         idx = token_ids(name, idx, vocab_size)
         if idx.shape[1] == 0:
             raise ValueError(f"{name} must hold at least one token per row; got shape {tuple(idx.shape)}")
-        if idx.shape[1] > self.max_len:
-            raise ValueError(f"{name} has length {idx.shape[1]} > max_len={self.max_len}")
+        if idx.shape[1] > self.block_size:
+            raise ValueError(f"{name} has length {idx.shape[1]} > block_size={self.block_size}")
         return idx
 
     def embed(self, idx: torch.Tensor, emb: nn.Embedding) -> torch.Tensor:
@@ -217,21 +223,23 @@ class Transformer(nn.Module):
             src: ``(B, T_src)`` source ids, padded with ``pad_id``.
 
         Returns:
-            ``(memory (B, T_src, d_model), src_mask (B, T_src) bool)``, ``src_mask`` True at real tokens.
+            ``(memory (B, T_src, d_model), attention_mask (B, T_src) bool)``, the mask True at real tokens.
         """
         src = self._tokens("src", src, self.src_emb.num_embeddings)
-        src_mask = src != self.pad_id  # (B, T_src)
+        attention_mask = src != self.pad_id  # (B, T_src)
         x = self.embed(src, self.src_emb)
         for layer in self.encoder:
-            x = layer(x, src_mask)  # chained: each layer reads the previous layer's output
-        return self.enc_norm(x), src_mask
+            x = layer(x, attention_mask)  # chained: each layer reads the previous layer's output
+        return self.enc_norm(x), attention_mask
 
-    def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor | None) -> torch.Tensor:
-        """Run the decoder stack and the head: ``(B, T_tgt)`` ids → logits ``(B, T_tgt, tgt_vocab_size)``."""
+    def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor,
+               encoder_attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Run the decoder stack and the head: ``(B, T_tgt)`` ids → logits ``(B, T_tgt, tgt_vocab_size)``;
+        ``encoder_attention_mask`` ``(B, T_src)`` hides the source's padding (True = a real token)."""
         tgt_in = self._tokens("tgt_in", tgt_in, self.tgt_emb.num_embeddings)
         y = self.embed(tgt_in, self.tgt_emb)
         for layer in self.decoder:
-            y = layer(y, memory, src_mask)  # chained, every layer reading the same final encoder output
+            y = layer(y, memory, encoder_attention_mask)  # chained, every layer reading the same final encoder output
         return self.lm_head(self.dec_norm(y))
 
     def forward(
@@ -259,8 +267,8 @@ class Transformer(nn.Module):
                 raise ValueError(f"targets {tuple(targets.shape)} must have the shape of tgt_in "
                                  f"{tuple(getattr(tgt_in, 'shape', ()))}")
         tgt_in = self._tokens("tgt_in", tgt_in, tgt_vocab)
-        memory, src_mask = self.encode(src)
-        logits = self.decode(tgt_in, memory, src_mask)
+        memory, attention_mask = self.encode(src)
+        logits = self.decode(tgt_in, memory, attention_mask)
         loss = None if targets is None else cross_entropy_loss(logits, targets, ignore_index=self.pad_id)
         return logits, loss
 
@@ -268,19 +276,19 @@ class Transformer(nn.Module):
         """Check every decoding setting (before any layer runs), encode ``src``; return ``(decoder, start, stops)``."""
         stop_tokens = (self.eos_id,) if stop_tokens is None else stop_tokens
         stops = check_decoding(self.tgt_emb.num_embeddings, max_new_tokens, stop_tokens=stop_tokens, **settings)
-        if max_new_tokens + 1 > self.max_len:
-            raise ValueError(f"max_new_tokens={max_new_tokens} + 1 (bos) exceeds the model's max_len={self.max_len}")
-        memory, src_mask = self.encode(src)
+        if max_new_tokens + 1 > self.block_size:
+            raise ValueError(f"max_new_tokens={max_new_tokens} + 1 (bos) exceeds the model's block_size={self.block_size}")
+        memory, attention_mask = self.encode(src)
         start = torch.full((memory.shape[0], 1), self.bos_id, dtype=torch.long, device=memory.device)
-        return _BoundDecoder(self, memory, src_mask), start, stops
+        return _BoundDecoder(self, memory, attention_mask), start, stops
 
     @torch.no_grad()
     def greedy_decode(self, src: torch.Tensor, max_new_tokens: int, stop_tokens: StopTokens = None) -> torch.Tensor:
-        """Decode by taking the most likely token at each step (the loop of :func:`attnlib.generate.decode`).
+        """Decode by taking the most likely token at each step (the loop of :func:`attnlib.generation.generate`).
 
         Args:
             src: ``(B, T_src)`` source ids.
-            max_new_tokens: most tokens to generate after ``bos_id`` (>= 0; ``1 + max_new_tokens <= self.max_len``).
+            max_new_tokens: most tokens to generate after ``bos_id`` (>= 0; ``1 + max_new_tokens <= self.block_size``).
             stop_tokens: ids that end a row (default ``(eos_id,)``).
 
         Returns:
@@ -292,8 +300,8 @@ class Transformer(nn.Module):
         """
         with eval_mode(self):
             decoder, start, stops = self._decoding_setup(src, max_new_tokens, stop_tokens)
-            return decode(decoder, start, max_new_tokens, vocab_size=decoder.vocab_size, temperature=0.0,
-                          use_cache=False, stop_tokens=stops, pad_id=self.pad_id)
+            return generate(decoder, start, max_new_tokens, temperature=0.0, use_cache=False, stop_tokens=stops,
+                            pad_id=self.pad_id)
 
     @torch.no_grad()
     def beam_decode(
@@ -304,13 +312,13 @@ class Transformer(nn.Module):
         length_penalty: float = 0.0,
         stop_tokens: StopTokens = None,
     ) -> tuple[torch.Tensor, float]:
-        """Decode one source with :func:`attnlib.beam.beam_search` (chapter 08).
+        """Decode one source with :func:`attnlib.generation.beam_search` (chapter 08).
 
         Args:
             src: ``(1, T_src)`` source ids (a single source).
             beam_width: beams kept; 1 gives :meth:`greedy_decode`'s output.
             max_new_tokens: most tokens to generate after ``bos_id``.
-            length_penalty: see :func:`attnlib.beam.beam_search`.
+            length_penalty: see :func:`attnlib.generation.beam_search`.
             stop_tokens: ids that finish a beam (default ``(eos_id,)``).
 
         Returns:

@@ -1,10 +1,11 @@
 """Masks and the masked softmax: what attention may see (chapter 03).
 
 Convention: a boolean mask, ``True`` = may attend (PyTorch SDPA's). Causal masks are
-aligned bottom-right: query ``i`` sits at absolute position ``T_k - T_q + i``. A key
-padding mask is ``(B, T_k)`` with ``True`` = a real token, the opposite of
-``nn.MultiheadAttention``'s ``key_padding_mask``. Mask functions follow FlexAttention:
-``mask_mod(b, h, q_idx, kv_idx) -> bool``.
+aligned bottom-right: query ``i`` sits at absolute position ``T_k - T_q + i``. A padding
+mask is ``transformers``' ``attention_mask``: ``(B, T_k)``, ``True`` (1) = a real token, the
+opposite of ``nn.MultiheadAttention``'s ``key_padding_mask`` (:func:`padding_mask`,
+:func:`check_attention_mask`, :func:`mask_positions`; chapters 03 and 19). Mask functions
+follow FlexAttention: ``mask_mod(b, h, q_idx, kv_idx) -> bool``.
 """
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ import torch
 
 __all__ = [
     "causal_mask",
+    "check_attention_mask",
     "combined_mask",
     "future_mask",
     "mask_from_mod",
+    "mask_positions",
     "masked_softmax",
     "padding_mask",
     "score_indices",
@@ -154,3 +157,57 @@ def combined_mask(mask: torch.Tensor | None, is_causal: bool, T_q: int, T_k: int
         return mask
     causal = ~future_mask(T_q, T_k, torch.device(device))
     return causal if mask is None else mask & causal
+
+
+def check_attention_mask(attention_mask: object, shape: tuple[int, int], device: torch.device | None = None,
+                         *, left_padded: bool = False) -> torch.Tensor:
+    """Check a padding mask and return it.
+
+    Args:
+        attention_mask: ``(B, T)`` bool, ``True`` = a real token.
+        shape: the ``(B, T)`` it must have (the tokens it describes, cached ones included).
+        device: the device it must be on (the tokens'), or ``None``.
+        left_padded: also require left padding: no padding after a real token in any row.
+
+    Returns:
+        ``attention_mask`` unchanged.
+
+    Raises:
+        TypeError: not a bool tensor (``transformers`` uses 0/1 integers: convert with ``.bool()``).
+        ValueError: another shape or device; a row with no real token (named: it would have nothing to
+            attend to and no last token to continue); with ``left_padded``, padding after a real token.
+    """
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
+        raise TypeError("attention_mask must be a bool tensor (B, T), True = a real token; got "
+                        f"{getattr(attention_mask, 'dtype', type(attention_mask).__name__)} (use mask.bool())")
+    if tuple(attention_mask.shape) != tuple(shape):
+        raise ValueError(f"attention_mask must have shape (B, T) = {tuple(shape)}; got {tuple(attention_mask.shape)}")
+    if device is not None and attention_mask.device != device:
+        raise ValueError(f"attention_mask is on {attention_mask.device} but the tokens are on {device}")
+    empty = (~attention_mask.any(dim=-1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"attention_mask row {empty[0]} is all padding (rows {empty} hold no real token); "
+                         "every prompt needs at least one real token")
+    if left_padded:
+        late = (attention_mask[:, 1:] < attention_mask[:, :-1]).any(dim=-1).nonzero().flatten().tolist()
+        if late:
+            raise ValueError(f"attention_mask row {late[0]} has padding after a real token; prompts must be "
+                             "left-padded (the last column of every row a real token)")
+    return attention_mask
+
+
+def mask_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each token's position counted from its row's first real token: ``(B, T)`` bool → ``(B, T)`` int64.
+
+    Real tokens get ``0, 1, …`` in order; a pad gets the position of the last real token before it
+    (0 before the first): it is never attended to, so any position in range does.
+
+    Raises:
+        TypeError: not a bool tensor. ValueError: not 2-D ``(B, T)``.
+    """
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
+        raise TypeError("attention_mask must be a bool tensor (B, T), True = a real token; got "
+                        f"{getattr(attention_mask, 'dtype', type(attention_mask).__name__)} (use mask.bool())")
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must have shape (B, T); got {tuple(attention_mask.shape)}")
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)

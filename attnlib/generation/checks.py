@@ -1,14 +1,10 @@
-"""What every decoder checks before it runs, and how it tells a finished row. Chapters 08, 12.
+"""What every decoding loop checks before it runs, and how it tells a finished row. Chapters 08, 12.
 
-Used by :func:`attnlib.generate.decode` (greedy and sampling), :func:`attnlib.beam.beam_search`
-and the :class:`attnlib.Transformer`'s decoders: the settings are validated up front, even when
+Used by :func:`attnlib.generation.generate` (greedy and sampling), :func:`attnlib.generation.beam_search`,
+:func:`attnlib.generation.speculative_generate`, :func:`attnlib.serving.serve` and the
+:class:`attnlib.Transformer`'s decoders: the settings are validated up front, even when
 ``max_new_tokens=0``, and every id of the prompt is checked, not only the window the model sees.
-
-A *decoder* is any object with
-
-- ``next_token_logits(tokens (B, T), cache, n_new) -> (logits (B, vocab_size), cache)``: the logits
-  of the token after ``tokens``, of which the last ``n_new`` are not in ``cache`` yet;
-- ``new_cache()``: an empty cache (with ``reorder(index)`` for beam search), or ``None``.
+What a *decoder* offers the loops: :mod:`attnlib.generation.step`.
 """
 from __future__ import annotations
 
@@ -17,7 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from attnlib._checks import finite_number, non_negative_int, positive_int, token_id_list, token_ids
-from attnlib.sampling import check_sampling
+from attnlib.generation.sampling import check_sampling
 
 __all__ = ["check_decoding", "check_prompt", "decoder_vocab_size", "stop_mask"]
 
@@ -38,7 +34,7 @@ def check_decoding(
     Args:
         vocab_size: the model's vocabulary (stop tokens must be ids in it).
         max_new_tokens: an int >= 0.
-        temperature, top_k, top_p: see :func:`attnlib.sampling.check_sampling`.
+        temperature, top_k, top_p: see :func:`attnlib.generation.sampling.check_sampling`.
         stop_tokens: ``None``, one id, or a sequence / 1-D integer tensor of ids.
         beam_width: an int >= 1.
         length_penalty: a finite number.
@@ -92,7 +88,7 @@ def stop_mask(tokens: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
 
 
 def decoder_vocab_size(model: object) -> int:
-    """The vocabulary size of a decoder: its ``vocab_size``, or its ``config.vocab_size`` (a GPT).
+    """The vocabulary size of a decoder: its ``config.vocab_size`` (or its ``vocab_size``).
 
     Raises:
         TypeError: ``model`` has neither.

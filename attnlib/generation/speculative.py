@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from attnlib._checks import eval_mode, generator_or_none, positive_int
-from attnlib.cache import KVCache
-from attnlib.decoding import check_decoding, check_prompt, decoder_vocab_size
+from attnlib.generation.checks import check_decoding, check_prompt, decoder_vocab_size
+from attnlib.generation.step import step
 
 __all__ = ["speculative_generate", "verify_drafts"]
 
@@ -95,9 +95,10 @@ def _check_verify(p: object, q: object, drafts: object, greedy: object, generato
                          "got a row of zeros")
 
 
-def _feed(model, cache: KVCache, tokens: torch.Tensor) -> torch.Tensor:
-    """Run ``tokens[:, cache.length:]`` through ``model``; their next-token logits ``(n_new, V)``."""
-    return model(tokens[:, cache.length:], cache=cache)[0][0]
+def _feed(model, cache, tokens: torch.Tensor) -> torch.Tensor:
+    """Run ``tokens[:, cache.length:]`` through ``model`` (:func:`~attnlib.generation.step.step`); their
+    next-token logits ``(n_new, V)``."""
+    return step(model, tokens[:, cache.length:], cache, all_logits=True)[0]
 
 
 @torch.no_grad()
@@ -110,7 +111,7 @@ def speculative_generate(target, draft, idx: torch.Tensor, max_new_tokens: int, 
     (a paged cache with per-row lengths could take that; left out here).
 
     Args:
-        target: the model whose distribution is sampled (an :class:`attnlib.GPT` or ``ModernDecoder``).
+        target: the model whose distribution is sampled (an :class:`attnlib.Decoder`).
         draft: a smaller model with the same vocabulary.
         idx: ``(1, T)`` integer prompt; ``T + max_new_tokens`` must fit both models' ``block_size``.
         max_new_tokens: tokens to add (>= 0); exactly this many are returned.
@@ -166,7 +167,7 @@ def speculative_generate(target, draft, idx: torch.Tensor, max_new_tokens: int, 
             n = int(n[0])
             tokens = torch.cat([seq[:, : start + n], nxt.view(1, 1)], dim=1)
             for cache in caches.values():  # keep only what the accepted tokens put there
-                cache.truncate(tokens.shape[1] - 1)
+                cache.crop(tokens.shape[1] - 1)
             stats["rounds"] += 1
             stats["drafted"] += k
             stats["accepted"] += n

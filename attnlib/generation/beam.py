@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from attnlib._checks import eval_mode
-from attnlib.decoding import check_decoding, check_prompt, decoder_vocab_size, stop_mask
+from attnlib.generation.checks import check_decoding, check_prompt, decoder_vocab_size, stop_mask
+from attnlib.generation.step import window_step
 
 __all__ = ["beam_search"]
 
@@ -35,8 +36,8 @@ def beam_search(
     again at no cost. With ``beam_width=1`` this is greedy decoding.
 
     Args:
-        model: an :class:`attnlib.GPT`, or any decoder (see :mod:`attnlib.decoding`) with a
-            ``vocab_size``; an ``nn.Module`` runs in eval mode and gets its modes back.
+        model: an :class:`attnlib.Decoder`, or any decoder (see :mod:`attnlib.generation.step`); an
+            ``nn.Module`` runs in eval mode and gets its modes back.
         idx: ``(1, T)`` integer prompt (any integer dtype; every id is checked).
         max_new_tokens: tokens to add (>= 0).
         beam_width: beams kept (>= 1).
@@ -53,7 +54,7 @@ def beam_search(
 
     Raises:
         TypeError / ValueError: a bad prompt (not one ``(1, T)`` prompt, an id outside the
-            vocabulary) or setting, checked by :func:`attnlib.decoding.check_decoding` before any
+            vocabulary) or setting, checked by :func:`attnlib.generation.checks.check_decoding` before any
             forward pass.
     """
     vocab_size = decoder_vocab_size(model)
@@ -67,7 +68,7 @@ def beam_search(
         cache = model.new_cache() if use_cache else None
         n_new = idx.shape[1]
         for _ in range(max_new_tokens):
-            logits, cache = model.next_token_logits(beams, cache, n_new)
+            logits, cache = window_step(model, beams, cache, n_new)
             logprobs = torch.log_softmax(logits.float(), dim=-1)  # (n_beams, vocab_size)
             # A finished beam may only repeat its last (stop) token, at no cost.
             frozen = torch.full_like(logprobs, float("-inf"))

@@ -47,14 +47,14 @@ def layer_windows(n_layers: int, sliding_window: int | None = None, global_every
     return [None if (layer + 1) % global_every == 0 else sliding_window for layer in range(n_layers)]
 
 
-def kv_cache_bytes(*, n_layers: int, n_kv_heads: int, head_dim: int, context_length: int,
+def kv_cache_bytes(*, n_layers: int, n_kv_heads: int, head_dim: int, seq_len: int,
                    dtype: torch.dtype = torch.bfloat16, batch_size: int = 1, sliding_window: int | None = None,
                    global_every: int | None = None) -> int:
-    """Bytes of the keys and values a cache holds after ``context_length`` tokens.
+    """Bytes of the keys and values a cache holds after ``seq_len`` tokens.
 
     Args:
         n_layers, n_kv_heads, head_dim: the model's sizes (``n_kv_heads = n_heads`` for MHA).
-        context_length: tokens per sequence held (prompt + generated).
+        seq_len: tokens per sequence held (prompt + generated).
         dtype: the cache's dtype (its element size is used: bfloat16/float16 2 bytes, float32 4).
         batch_size: sequences.
         sliding_window, global_every: see :func:`layer_windows`.
@@ -65,11 +65,11 @@ def kv_cache_bytes(*, n_layers: int, n_kv_heads: int, head_dim: int, context_len
     Raises:
         ValueError: a size not an int >= 1; TypeError: ``dtype`` not a torch dtype.
     """
-    for name, value in (("n_kv_heads", n_kv_heads), ("head_dim", head_dim), ("context_length", context_length),
+    for name, value in (("n_kv_heads", n_kv_heads), ("head_dim", head_dim), ("seq_len", seq_len),
                         ("batch_size", batch_size)):
         positive_int(name, value)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
     per_position = batch_size * 2 * n_kv_heads * head_dim * dtype.itemsize  # K and V
     windows = layer_windows(n_layers, sliding_window, global_every)
-    return sum(per_position * (context_length if w is None else min(w, context_length)) for w in windows)
+    return sum(per_position * (seq_len if w is None else min(w, seq_len)) for w in windows)

@@ -1,10 +1,10 @@
 """Attention variants as score and mask modifications (FlexAttention's two hooks). Chapter 17.
 
-Each function returns a callable for the attention core (:mod:`attnlib.functional`):
+Each function returns a callable for the attention core (:mod:`attnlib.attention.functions`):
 
 * a ``mask_mod(b, h, q_idx, kv_idx) -> bool`` decides *whether* a query sees a key
-  (:func:`sliding_window`, :func:`causal`, :func:`document_mask`; build a mask with
-  :func:`attnlib.masks.mask_from_mod`);
+  (:func:`sliding_window`, :func:`chunked`, :func:`causal`, :func:`document_mask`; build a mask
+  with :func:`attnlib.attention.masks.mask_from_mod`);
 * a ``score_mod(score, b, h, q_idx, kv_idx) -> score`` changes *how much* it sees, before the
   softmax (:func:`alibi`, :func:`softcap`); pass it as ``attention(..., score_mod=...)``.
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["alibi", "alibi_slopes", "causal", "document_mask", "sliding_window", "softcap"]
+__all__ = ["alibi", "alibi_slopes", "causal", "chunked", "compose", "document_mask", "sliding_window", "softcap"]
 
 MaskMod = Callable[..., torch.Tensor]
 ScoreMod = Callable[..., torch.Tensor]
@@ -53,6 +53,25 @@ def sliding_window(window: int) -> MaskMod:
         return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
 
     mask_mod.window = window
+    return mask_mod
+
+
+def chunked(chunk_size: int) -> MaskMod:
+    """Causal attention within fixed chunks of ``chunk_size`` positions (Llama 4's ``attention_chunk_size``).
+
+    Query ``i`` sees key ``j`` iff ``j <= i`` and both lie in the same chunk, ``i // C == j // C``:
+    the first query of a chunk sees only itself, whatever came before (``transformers``'
+    ``chunked_overlay``). A decoder's cache for such a layer keeps only the current chunk.
+
+    Raises:
+        ValueError: ``chunk_size`` not an int >= 1.
+    """
+    _positive_int("chunk_size", chunk_size)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx // chunk_size == kv_idx // chunk_size)
+
+    mask_mod.chunk_size = chunk_size
     return mask_mod
 
 
@@ -116,6 +135,23 @@ def softcap(cap: float) -> ScoreMod:
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return cap * torch.tanh(score / cap)
+
+    return score_mod
+
+
+def compose(*score_mods: ScoreMod) -> ScoreMod | None:
+    """One score modification applying ``score_mods`` in order (``None`` for none, the mod itself for one).
+
+    E.g. ``compose(alibi(n_heads), softcap(50.0))``: the distance penalty, then the cap.
+    """
+    mods = [m for m in score_mods if m is not None]
+    if len(mods) <= 1:
+        return mods[0] if mods else None
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        for mod in mods:
+            score = mod(score, b, h, q_idx, kv_idx)
+        return score
 
     return score_mod
 

@@ -1,7 +1,7 @@
 """A paged KV cache: PagedAttention's allocation scheme (Kwon et al. 2023, "Efficient Memory Management for
 Large Language Model Serving with PagedAttention", §4.1-4.3). Chapter 19.
 
-A contiguous cache (:class:`attnlib.cache.KVCache`) reserves ``block_size`` positions for every sequence
+A contiguous cache (:class:`attnlib.cache.LayerCache`) reserves ``block_size`` positions for every sequence
 up front, because it cannot know how long the sequence will grow; most of it stays empty. vLLM cuts
 the cache into fixed-size *pages* (the paper's "KV blocks") of ``page_size`` positions, shared by all
 sequences through one *free list*. Each sequence has a *block table*: the pages it holds, in order.
@@ -22,7 +22,8 @@ import math
 import torch
 
 from attnlib._checks import non_negative_int, positive_int
-from attnlib.cache import KVCache, LayerCache
+from attnlib.cache.layer import LayerCache
+from attnlib.cache.model import KVCache
 
 __all__ = ["OutOfPages", "PageAllocator", "PagedKVCache", "PagedLayerCache"]
 
@@ -138,17 +139,17 @@ class PageAllocator:
 class PagedLayerCache(LayerCache):
     """One layer's pool of pages, read and written through the shared :class:`PageAllocator`.
 
-    Each named tensor (keys ``(B, heads, T, head_dim)``, values, or MLA's latent ``(B, T, d_c)``) is stored
-    as ``(n_pages, page_size, *per-row shape without T)``, allocated on first use. :meth:`update`
+    Each cached tensor (keys ``(B, heads, T, head_dim)``, values, or MLA's latent ``(B, T, d_c)``) is
+    stored as ``(n_pages, page_size, *per-row shape without T)``, allocated on first use. :meth:`update`
     writes row ``b``'s new positions into the pages of the ``b``-th sequence of the batch
     (:meth:`PagedKVCache.select`) and returns every cached position, gathered, each row right-aligned
-    to the longest: ``(B, …, max_length + T_new, width)``, the left zeros to be masked.
+    to the longest: ``(B, …, width, w)`` with ``width = length + T_new``, the left zeros to be masked
+    (:meth:`PagedKVCache.attention_mask`); :attr:`key_positions` are the columns ``0 … width - 1``.
     """
 
-    def __init__(self, max_len: int, owner: PagedKVCache) -> None:
-        positive_int("max_len", max_len)
-        self.max_len, self.owner = max_len, owner
-        self.buffers: dict[str, torch.Tensor] = {}
+    def __init__(self, block_size: int, owner: PagedKVCache) -> None:
+        super().__init__(block_size)
+        self.owner = owner
         self.lengths: dict[int, int] = {}  # sequence id -> positions this layer holds
 
     @property
@@ -156,15 +157,18 @@ class PagedLayerCache(LayerCache):
         """Positions of the longest sequence of the batch (the time axis :meth:`update` returns, before the new)."""
         return max((self.lengths.get(s, 0) for s in self.owner.batch), default=0)
 
-    def update(self, **new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    @property
+    def key_positions(self) -> torch.Tensor:
+        return torch.arange(self._last[1])
+
+    def update(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         T_new = self.check_new(new)
         batch, alloc = self.owner.batch, self.owner.allocator
-        B = next(iter(new.values())).shape[0]
-        if B != len(batch):
-            raise ValueError(f"the batch has {len(batch)} sequences (PagedKVCache.select); got tensors of batch {B}")
+        if new[0].shape[0] != len(batch):
+            raise ValueError(f"the batch has {len(batch)} sequences (PagedKVCache.select); got tensors of batch "
+                             f"{new[0].shape[0]}")
         width = self.length + T_new
-        if width > self.max_len:
-            raise ValueError(f"a sequence would hold {width} positions; max_len={self.max_len}")
+        self.check_room(width)
         missing = sum(max(0, alloc.pages_for(self.lengths.get(s, 0) + T_new) - len(alloc.table(s))) for s in batch)
         if missing > len(alloc.free):  # refused before any row is written: the cache stays consistent
             raise OutOfPages(f"the batch needs {missing} more pages, {len(alloc.free)} free "
@@ -172,47 +176,59 @@ class PagedLayerCache(LayerCache):
         starts = [self.lengths.get(seq, 0) for seq in batch]
         for seq, start in zip(batch, starts):
             alloc.ensure(seq, start + T_new)  # the first layer takes the pages; the others find them
-        device = next(iter(new.values())).device
-        slots, held = alloc.slots(batch, [start + T_new for start in starts], width, device)  # (B, width) each
+        slots, held = alloc.slots(batch, [start + T_new for start in starts], width, new[0].device)  # (B, width)
         new_slots = slots[:, width - T_new:].flatten()  # right-aligned: each row's last T_new are its new positions
         out = []
-        for name, t in new.items():
-            pool = self.pool(name, t).flatten(0, 1)  # (n_pages * page_size, ..., w): a view of the pages
+        for i, t in enumerate(new):
+            pool = self.pool(i, t).flatten(0, 1)  # (n_pages * page_size, ..., w): a view of the pages
             pool[new_slots] = t.movedim(-2, 1).flatten(0, 1)  # write: (B, ..., T_new, w) -> (B * T_new, ..., w)
             past = pool[slots.flatten()].unflatten(0, slots.shape)  # gather: (B, width, ..., w)
             past = past.masked_fill(~held.view(*held.shape, *[1] * (past.dim() - 2)), 0)  # left padding: zeros
             out.append(past.movedim(1, -2).contiguous())  # (B, ..., width, w)
         for seq, start in zip(batch, starts):
             self.lengths[seq] = start + T_new
+        self._last = (width - T_new, width)
         return tuple(out)
 
-    def pool(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """The pages of ``name``, ``(n_pages, page_size, *t.shape[1:-2], width)``, allocated on first use."""
-        if name not in self.buffers:
+    def pool(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """The pages of tensor ``i``, ``(n_pages, page_size, *t.shape[1:-2], width)``, allocated on first use."""
+        if i == len(self.buffers):
             alloc = self.owner.allocator
             shape = (alloc.n_pages, alloc.page_size, *t.shape[1:-2], t.shape[-1])
-            self.buffers[name] = torch.zeros(shape, dtype=t.dtype, device=t.device)
-        pool = self.buffers[name]
+            self.buffers.append(torch.zeros(shape, dtype=t.dtype, device=t.device))
+        pool = self.buffers[i]
         if pool.shape[2:] != (*t.shape[1:-2], t.shape[-1]) or pool.dtype != t.dtype or pool.device != t.device:
-            raise ValueError(f"the pages of {name!r} are {tuple(pool.shape)} {pool.dtype} on {pool.device}; "
+            raise ValueError(f"the pages of tensor {i} are {tuple(pool.shape)} {pool.dtype} on {pool.device}; "
                              f"cannot append {tuple(t.shape)} {t.dtype} on {t.device}")
         return pool
 
     def forget(self, seq: int) -> None:
         self.lengths.pop(seq, None)
 
+    def check_crop(self, length: int) -> None:
+        non_negative_int("length", length)
+
+    def crop(self, length: int) -> None:
+        """Forget every position from ``length`` on in each sequence of the batch (its pages stay its own)."""
+        self.check_crop(length)
+        for seq in self.owner.batch:
+            if seq in self.lengths:
+                self.lengths[seq] = min(self.lengths[seq], length)
+
     def reset(self) -> None:
         self.owner.reset()
 
     def reorder(self, index: torch.Tensor) -> None:
+        """Refused.
+
+        Raises:
+            ValueError: always: forking a sequence needs copy-on-write pages (vLLM §4.4), left out here.
+        """
         raise ValueError("a paged cache cannot reorder rows for beam search: forking a sequence needs "
                          "copy-on-write pages (vLLM §4.4), which this teaching version leaves out")
 
     def bytes_per_token(self) -> int:
-        return sum(p[0, 0].numel() * p.element_size() for p in self.buffers.values())
-
-    def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.buffers.values())
+        return sum(p[0, 0].numel() * p.element_size() for p in self.buffers)
 
 
 class PagedKVCache(KVCache):
@@ -220,11 +236,12 @@ class PagedKVCache(KVCache):
 
     Use it where a :class:`attnlib.cache.KVCache` goes (``model(idx, cache=cache)``): the rows of
     ``idx`` are the sequences chosen with :meth:`select`. Sequences of different lengths in one batch
-    need ``attention_mask=cache.attention_mask(T_new)``.
+    need ``attention_mask=cache.attention_mask(T_new)``. Every layer keeps every position (a window or
+    a chunk applies as a mask).
 
     Args:
         n_layers: attention layers of the model.
-        max_len: positions a sequence may reach (the model's ``block_size``).
+        block_size: positions a sequence may reach (the model's ``block_size``).
         n_pages: pages in the pool.
         page_size: positions per page, an int >= 1 (vLLM's default block size is 16).
 
@@ -232,17 +249,15 @@ class PagedKVCache(KVCache):
         TypeError / ValueError: a size that is not an int >= 1 (``page_size=0`` is named).
     """
 
-    def __init__(self, n_layers: int, max_len: int, n_pages: int, page_size: int) -> None:
+    def __init__(self, n_layers: int, block_size: int, n_pages: int, page_size: int) -> None:
         positive_int("n_layers", n_layers)
-        positive_int("max_len", max_len)
         self.allocator = PageAllocator(n_pages, page_size)
-        self.max_len = max_len
         self.batch: list[int] = []  # the sequence ids of the current rows, in order
-        self.layers = [PagedLayerCache(max_len, self) for _ in range(n_layers)]
+        super().__init__([PagedLayerCache(block_size, self) for _ in range(n_layers)])
 
     @classmethod
     def for_model(cls, model, n_pages: int, page_size: int = 16) -> PagedKVCache:
-        """An empty paged cache for ``model`` (a GPT); windowed layers keep every position (the window is a mask)."""
+        """An empty paged cache for ``model``; windowed layers keep every position (the window is a mask)."""
         return cls(model.config.n_layers, model.config.block_size, n_pages, page_size)
 
     def add_sequence(self) -> int:
@@ -282,8 +297,8 @@ class PagedKVCache(KVCache):
         On the device of the cached tensors. Raises TypeError / ValueError: ``n_new`` not an int >= 0.
         """
         width = self.length + non_negative_int("n_new", n_new)
-        pools = self.layers[0].buffers.values()
-        device = next(iter(pools)).device if pools else None
+        pools = self.layers[0].buffers
+        device = pools[0].device if pools else None
         lengths = torch.tensor([self.sequence_length(s) + n_new for s in self.batch], device=device)
         return torch.arange(width, device=device)[None, :] >= (width - lengths)[:, None]
 
@@ -292,5 +307,3 @@ class PagedKVCache(KVCache):
         for seq in list(self.batch):
             self.release(seq)
 
-    def reorder(self, index: torch.Tensor) -> None:
-        self.layers[0].reorder(index)

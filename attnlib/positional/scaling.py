@@ -28,7 +28,7 @@ import torch
 
 from attnlib._checks import positive_int
 
-__all__ = ["ROPE_TYPES", "interleaved_to_half_split", "rope_frequencies"]
+__all__ = ["ROPE_TYPES", "rope_frequencies"]
 
 #: type -> (required fields, optional fields) of the ``rope_scaling`` dict.
 ROPE_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -195,31 +195,3 @@ def _yarn(head_dim: int, base: float, factor: float, L: int, f: dict, exponents:
     pos_freqs = base ** exponents
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
     return inv_freq, float(attention_factor)
-
-
-def interleaved_to_half_split(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder the rows of a query or key projection from interleaved RoPE pairs to half-split ones.
-
-    Meta's Llama code rotates pairs ``(x[2i], x[2i+1])`` of each head (a complex view);
-    ``transformers`` and :class:`attnlib.RotaryEmbedding` rotate ``(x[i], x[i + head_dim/2])``.
-    Putting each head's even rows first and its odd rows after (the permutation of
-    ``transformers``' Llama conversion script) makes half-split RoPE on the new weight give the
-    same attention scores as interleaved RoPE on the old one.
-
-    Args:
-        weight: ``(n_heads · head_dim, d_model)`` (``nn.Linear`` layout), or a bias ``(n_heads · head_dim,)``.
-        n_heads: heads in it (the key/value heads for ``W_k``).
-
-    Returns:
-        a tensor like ``weight``, rows reordered within each head.
-
-    Raises:
-        ValueError: ``n_heads`` does not divide the rows into heads of an even width.
-    """
-    positive_int("n_heads", n_heads)
-    rows = weight.shape[0]
-    if rows % n_heads or (rows // n_heads) % 2:
-        raise ValueError(f"weight has {rows} rows: not n_heads={n_heads} heads of an even head_dim")
-    head_dim = rows // n_heads
-    order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])  # evens, then odds
-    return weight.reshape(n_heads, head_dim, *weight.shape[1:])[:, order].reshape(weight.shape)

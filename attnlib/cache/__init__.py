@@ -1,0 +1,33 @@
+"""Caches: what each layer keeps from past tokens, behind one protocol. Chapters 08, 17, 18, 19.
+
+* :class:`LayerCache` (:mod:`~attnlib.cache.layer`): every position, contiguous (chapter 08); the protocol;
+* :class:`RingLayerCache`, :class:`SinkLayerCache`, :class:`ChunkedLayerCache`
+  (:mod:`~attnlib.cache.windowed`): a window, StreamingLLM's sinks + a window, the current chunk
+  (chapters 17, 20);
+* :class:`PagedLayerCache`, :class:`PagedKVCache`, :class:`PageAllocator` (:mod:`~attnlib.cache.paged`):
+  vLLM's pages shared by many sequences (chapter 19);
+* :class:`RecurrentState` (:mod:`~attnlib.cache.recurrent`): a linear-attention layer's fixed state (chapter 18);
+* :class:`KVCache` (:mod:`~attnlib.cache.model`): one of the above per layer of a decoder;
+* :func:`kv_cache_bytes` (:mod:`~attnlib.cache.memory`): the memory a cache will need, before allocating it.
+"""
+from attnlib.cache.layer import LayerCache
+from attnlib.cache.memory import kv_cache_bytes, layer_windows
+from attnlib.cache.model import KVCache
+from attnlib.cache.paged import OutOfPages, PageAllocator, PagedKVCache, PagedLayerCache
+from attnlib.cache.recurrent import RecurrentState
+from attnlib.cache.windowed import ChunkedLayerCache, RingLayerCache, SinkLayerCache
+
+__all__ = [
+    "ChunkedLayerCache",
+    "KVCache",
+    "LayerCache",
+    "OutOfPages",
+    "PageAllocator",
+    "PagedKVCache",
+    "PagedLayerCache",
+    "RecurrentState",
+    "RingLayerCache",
+    "SinkLayerCache",
+    "kv_cache_bytes",
+    "layer_windows",
+]
