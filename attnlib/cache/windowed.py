@@ -131,11 +131,11 @@ class SinkLayerCache(_KeptCache):
 
     def held(self, length: int) -> torch.Tensor:
         sinks = torch.arange(min(length, self.n_sink))
-        return torch.cat([sinks, torch.arange(max(self.n_sink, length - self.window), length)])
+        return torch.cat([sinks, torch.arange(min(length, max(self.n_sink, length - self.window)), length)])
 
     def needed(self, length: int) -> torch.Tensor:
         sinks = torch.arange(min(length, self.n_sink))
-        return torch.cat([sinks, torch.arange(max(self.n_sink, length - self.window + 1), length)])
+        return torch.cat([sinks, torch.arange(min(length, max(self.n_sink, length - self.window + 1)), length)])
 
     def check_layer(self, layer, masked: bool) -> None:
         if masked:
