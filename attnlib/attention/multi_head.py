@@ -25,12 +25,19 @@ from attnlib.cache.layer import LayerCache
 from attnlib.cache.windowed import ChunkedLayerCache, RingLayerCache
 from attnlib.layers.norms import RMSNorm
 
-__all__ = ["KV_SHARING", "MultiHeadAttention"]
+__all__ = ["KV_SHARING", "MultiHeadAttention", "refuse_options"]
 
 #: How a group of query heads reads its shared key/value head: ``"fold"`` hands the shared heads to
 #: the attention function, which reads them in place (no copy); ``"repeat_interleave"`` copies each
 #: K/V head once per query head of its group first (simple, but the copies cost memory). Equal outputs.
 KV_SHARING = ("fold", "repeat_interleave")
+
+
+def refuse_options(layer: str, options: dict, names: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` if ``options`` sets any of ``names``: what a variant of the layer cannot honour."""
+    given = sorted(name for name in names if options.get(name) not in (None, False))
+    if given:
+        raise ValueError(f"{layer} does not take {given}: {', '.join(f'{n}={options[n]!r}' for n in given)}")
 
 
 class MultiHeadAttention(nn.Module):
