@@ -161,7 +161,8 @@ class ChunkedLayerCache(_KeptCache):
 
     Raises:
         ValueError: as :class:`~attnlib.cache.layer.LayerCache`; a chunk size that is not an int >= 1;
-            in :meth:`check_layer`, a layer with another chunk size (or none).
+            in :meth:`check_layer`, a layer with another chunk size (or none), or a padding mask (each
+            left-padded row's chunks would start at another column).
     """
 
     def __init__(self, block_size: int, chunk_size: int) -> None:
@@ -176,6 +177,9 @@ class ChunkedLayerCache(_KeptCache):
         return torch.arange(length - length % self.chunk_size, length)
 
     def check_layer(self, layer, masked: bool) -> None:
+        if masked:
+            raise ValueError("masks are not supported with a chunked cache: with left padding each row's chunks "
+                             "start at another column (use a full cache, model.new_cache(windows=False))")
         own = getattr(layer, "chunk_size", None)
         if own != self.chunk_size:
             raise ValueError(f"a chunked cache of chunk_size={self.chunk_size} does not fit a layer with "
