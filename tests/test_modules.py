@@ -1,4 +1,6 @@
 """Attention modules: equal to each other and to PyTorch's references after weight mapping; causal; clear errors."""
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -114,6 +116,29 @@ def test_every_attention_function_gives_the_same_layer(causal, n_kv_heads):
         assert torch.equal(weights[..., ~causal_mask(9)], torch.zeros_like(weights[..., ~causal_mask(9)]))
     _, weights = modules["sdpa"](x, attention_mask=real, return_weights=True)
     assert torch.equal(weights[1], torch.zeros(4, 9, 9))
+
+
+@pytest.mark.parametrize("fn", sorted(ATTENTION_FUNCTIONS))
+@pytest.mark.parametrize("rule", [{}, {"sliding_window": 3}, {"chunk_size": 4}], ids=["full", "window", "chunk"])
+def test_masks_cover_the_whole_sequence_when_decoding_with_a_cache(rule, fn):
+    """mask and attention_mask describe every position (cached + new), also when the layer's cache (a ring, a
+    chunk) returns only some keys: decoding step by step gives the outputs of the whole sequence at once."""
+    layer = MultiHeadAttention(16, 4, 2, attn_fn=fn, block_size=9, **rule).eval()
+    x = torch.randn(2, 9, 16)
+    attention_mask = torch.ones(2, 9, dtype=torch.bool)
+    attention_mask[1, :3] = False  # left padding
+    head_mask = torch.rand(2, 4, 9, 9) < 0.8
+    if "chunk_size" in rule:  # a left-padded row's chunks start at another column than the cache's: refused
+        with pytest.raises(ValueError, match=re.escape("masks are not supported with a chunked cache")):
+            layer(x[:, :5], cache=layer.new_cache(9), attention_mask=attention_mask[:, :5])
+    with torch.no_grad():
+        whole = layer(x, mask=head_mask, attention_mask=attention_mask)
+        cache = layer.new_cache(9, windows="chunk_size" not in rule)  # a ring cache for the window
+        steps = [layer(x[:, :5], cache=cache, mask=head_mask[..., :5, :5], attention_mask=attention_mask[:, :5])]
+        for t in range(5, 9):
+            steps.append(layer(x[:, t : t + 1], cache=cache, mask=head_mask[..., t : t + 1, : t + 1],
+                               attention_mask=attention_mask[:, : t + 1]))
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, atol=ATOL, rtol=0)
 
 
 def test_cache_width_is_what_a_layer_keeps_per_token():
