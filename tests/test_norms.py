@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from attnlib.norms import LayerNorm, RMSNorm
+from attnlib.layers.norms import LayerNorm, RMSNorm
 
 
 @pytest.mark.parametrize("eps", [1e-6, 1e-2])
