@@ -143,7 +143,7 @@ class RotaryEmbedding(nn.Module):
                 to ``x.shape[:-1]``, holding nan/inf, or on the meta device while ``x`` is not; ``x`` on another
                 device than the module's buffers.
         """
-        float_input(x, self.head_dim)
+        float_input(x, self.head_dim, width="head_dim")
         T = x.shape[-2]
         if x.device != self.inv_freq.device:
             raise ValueError(f"x is on {x.device} but this RotaryEmbedding is on {self.inv_freq.device}; "
