@@ -134,10 +134,20 @@ def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) 
 
 
 def write_json(path: str | Path, payload: dict) -> Path:
-    """Write a benchmark's settings, environment and rows as JSON (directories created as needed)."""
+    """Write a benchmark's settings, environment and rows as JSON (directories created as needed).
+
+    Atomic: the text goes to a temporary file beside ``path``, which then replaces ``path`` in one
+    step (``os.replace``), so an interrupted run never leaves a half-written results file.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=1) + "\n")
+    text = json.dumps(payload, indent=1) + "\n"  # serialised first: a value JSON cannot take fails here
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # same directory: os.replace stays one rename
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 

@@ -9,7 +9,6 @@ in seconds (tests, the install check).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import shlex
 import sys
@@ -26,7 +25,7 @@ from attnlib.bench.long_context import COMMAND as LONG_CONTEXT_COMMAND
 from attnlib.bench.memory import METHODS, format_memory, memory_rows
 from attnlib.bench.mha import CORES, LAYERS, MHA_DEFAULTS, format_mha, mha_rows, mha_summary
 from attnlib.bench.serving import COMMAND as SERVING_COMMAND
-from attnlib.bench.train import TRAIN_SIZES, TRAIN_SMALL, format_train, train_rows
+from attnlib.bench.train import TRAIN_SIZES, TRAIN_SMALL, format_train, modern_config, train_rows
 
 __all__ = ["BENCHMARKS", "main"]
 
@@ -230,7 +229,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> dict:
                         warmup=args.warmup, tile_size=args.tile_size, rows=args.rows)
         text, summary = format_mha(rows, settings), mha_summary(rows)
     elif args.benchmark == "kv-cache":
-        settings = dict(config=dataclasses.asdict(args.config), tokens=args.tokens, variants=args.variants,
+        settings = dict(config=args.config.to_dict(), tokens=args.tokens, variants=args.variants,
                         prompt_len=args.prompt_len, batch=args.batch, **common)
         rows = kv_cache_rows(args.variants, tokens=args.tokens, prompt_len=args.prompt_len, config=args.config,
                              batch=args.batch, device=device, repeats=args.repeats, warmup_tokens=args.warmup)
@@ -250,8 +249,10 @@ def _run(args: argparse.Namespace, argv: list[str]) -> dict:
         settings, rows, text, summary = COMMANDS[args.benchmark].run(args, device)
         settings.update(common)
     else:
-        settings = dict(sizes={name: dict(config=dataclasses.asdict(c), batch=b) for name, (c, b) in args.train_sizes.items()},
+        settings = dict(sizes={name: dict(config=c.to_dict(), batch=b) for name, (c, b) in args.train_sizes.items()},
                         dtype=args.dtype, modern=args.modern, **common)
+        if args.modern:  # the Llama-style decoder each size is compared with, every field (norm_eps, tie, ...)
+            settings["modern_configs"] = {name: modern_config(c).to_dict() for name, (c, _) in args.train_sizes.items()}
         rows = train_rows(args.train_sizes, device=device, dtype=DTYPES[args.dtype], repeats=args.repeats,
                           warmup=args.warmup, modern=args.modern)
         text = format_train(rows, settings)
