@@ -20,7 +20,9 @@ import torch
 from attnlib.bench._common import DTYPES, environment, format_environment, load_average, resolve_device, write_json
 from attnlib.bench._common import threads as using_threads
 from attnlib.bench.flash import COMMAND as FLASH_COMMAND
+from attnlib.bench.hf_llama import COMMAND as HF_LLAMA_COMMAND
 from attnlib.bench.kv_cache import GPT2_SMALL, TINY, VARIANTS, format_kv_cache, kv_cache_rows
+from attnlib.bench.layer_types import COMMAND as LAYER_TYPES_COMMAND
 from attnlib.bench.long_context import COMMAND as LONG_CONTEXT_COMMAND
 from attnlib.bench.memory import METHODS, format_memory, memory_rows
 from attnlib.bench.mha import CORES, LAYERS, MHA_DEFAULTS, format_mha, mha_rows, mha_summary
@@ -30,7 +32,8 @@ from attnlib.bench.train import TRAIN_SIZES, TRAIN_SMALL, format_train, modern_c
 __all__ = ["BENCHMARKS", "main"]
 
 #: Benchmarks defined by a :class:`attnlib.bench._common.Command` next to their rows (newer ones).
-COMMANDS = {"flash": FLASH_COMMAND, "long-context": LONG_CONTEXT_COMMAND, "serving": SERVING_COMMAND}
+COMMANDS = {"flash": FLASH_COMMAND, "long-context": LONG_CONTEXT_COMMAND, "serving": SERVING_COMMAND,
+            "hf-llama": HF_LLAMA_COMMAND, "layer-types": LAYER_TYPES_COMMAND}
 BENCHMARKS = ("mha", "kv-cache", "memory", "train", *COMMANDS)
 #: Sizes of ``--small`` runs: seconds on a laptop CPU.
 MHA_SMALL = dict(batch=2, seq_len=64, d_model=64, n_heads=4)
