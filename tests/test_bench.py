@@ -317,3 +317,52 @@ def test_time_calls_and_format_table():
         time_calls({"a": lambda: None}, repeats=0)
     table = format_table([{"name": "x", "v": 1.5}, {"name": "longer", "v": None}], [("name", "name", "s"), ("v", "value", ".1f")])
     assert table.splitlines() == ["name    value", "------  -----", "x         1.5", "longer      -"]
+
+
+def test_write_json_is_atomic(tmp_path):
+    """A payload that cannot be written leaves the old results file as it was, and no temporary file behind."""
+    from attnlib.bench._common import write_json
+
+    path = tmp_path / "bench_x.json"
+    write_json(path, {"rows": [1]})
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        write_json(path, {"rows": [object()]})
+    assert json.loads(path.read_text()) == {"rows": [1]} and [p.name for p in tmp_path.iterdir()] == ["bench_x.json"]
+    write_json(path, {"rows": [2]})  # replaced in one step
+    assert load_results(path) == {"rows": [2]} and [p.name for p in tmp_path.iterdir()] == ["bench_x.json"]
+
+
+def test_time_after_setup_times_each_call_after_its_own_setup():
+    from attnlib.bench._common import time_after_setup
+
+    state, seen = {}, []
+
+    def setup(name):
+        return lambda: state.__setitem__(name, [])  # a fresh state for every call
+
+    def call(name):
+        def run():
+            seen.append((name, len(state[name])))  # what the call found: always the fresh state
+            state[name].append(1)
+
+        return run
+
+    seconds = time_after_setup({"a": call("a"), "b": call("b")}, {"a": setup("a"), "b": setup("b")}, repeats=3, warmup=1)
+    assert set(seconds) == {"a", "b"} and all(_positive(s) for s in seconds.values())
+    assert seen == [("a", 0), ("b", 0)] + [("a", 0), ("b", 0)] * 3  # warm-up, then rounds that alternate
+    with pytest.raises(ValueError, match=r"setups names \['a'\]; expected one per function \['a', 'b'\]"):
+        time_after_setup({"a": call("a"), "b": call("b")}, {"a": setup("a")})
+    with pytest.raises(ValueError, match="repeats=0 must be a positive int"):
+        time_after_setup({"a": call("a")}, {"a": setup("a")}, repeats=0)
+
+
+def test_cli_train_modern_records_the_llama_configs(tmp_path):
+    payload = main(["train", "--modern", "--small", "--device", "cpu", "--threads", "1", "--out", str(tmp_path / "m.json")])
+    modern = payload["settings"]["modern_configs"]["tiny"]
+    gpt = payload["settings"]["sizes"]["tiny"]["config"]
+    assert (modern["position"], modern["norm"], modern["norm_eps"], modern["feedforward"]) == ("rope", "rmsnorm", 1e-6,
+                                                                                              "swiglu")
+    assert modern["tie_embeddings"] is True and modern["attention_bias"] is False and modern["mlp_bias"] is False
+    assert {k: modern[k] for k in ("vocab_size", "block_size", "n_layers", "n_heads", "d_model")} == \
+        {k: gpt[k] for k in ("vocab_size", "block_size", "n_layers", "n_heads", "d_model")}
+    assert payload["rows"][0]["modern_ratio"] == pytest.approx(payload["summary"]["max_modern_ratio"])

@@ -1,4 +1,4 @@
-"""The command line of :mod:`attnlib.bench`: ``python -m attnlib.bench <mha|kv-cache|memory|train|flash|long-context|serving> [options]``.
+"""The command line of :mod:`attnlib.bench`: ``python -m attnlib.bench <name> [options]``, a name of :data:`BENCHMARKS`.
 
 Every flag is checked before anything is measured: a bad size, device, count or output
 path gives argparse's ``error:`` line naming the value, and exit status 2. Each run prints
@@ -99,7 +99,7 @@ def _device(text: str) -> torch.device:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m attnlib.bench",
-        description="Benchmarks of chapter 15; each prints a table measured in one run and writes it to --out.",
+        description="Benchmarks of chapters 15-19; each prints a table measured in one run and writes it to --out.",
     )
     sub = p.add_subparsers(dest="benchmark", required=True, metavar="{" + ",".join(BENCHMARKS) + "}")
 
