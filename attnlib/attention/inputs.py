@@ -123,8 +123,9 @@ def visible_mask(layer, mask, attention_mask, cache, T_q: int, T_total: int, dev
     positions = None
     if rules:  # (B, T_total) per row, or (T_total,) for every row
         positions = mask_positions(attention_mask) if attention_mask is not None else torch.arange(T_total, device=device)
-    if cache is not None and cache.key_positions.numel() != T_total:  # the cache kept only these positions
-        columns = cache.key_positions.to(device)
+    kept = None if cache is None else cache.key_positions
+    if kept is not None and kept.numel() != T_total:  # the cache kept only these positions
+        columns = kept.to(device)
         mask = mask.index_select(-1, columns) if mask is not None and mask.shape[-1] != 1 else mask
         attention_mask = None if attention_mask is None else attention_mask.index_select(1, columns)
         positions = None if positions is None else positions.index_select(-1, columns)

@@ -22,6 +22,7 @@ class _KeptCache(LayerCache):
     def __init__(self, block_size: int, capacity: int) -> None:
         super().__init__(block_size)
         self._capacity = capacity
+        self._key_positions = torch.empty(0, dtype=torch.long)  # of the keys the last update returned
 
     @property
     def capacity(self) -> int:
@@ -34,16 +35,30 @@ class _KeptCache(LayerCache):
         """A ring of ``capacity`` slots holds the last ``capacity`` positions written."""
         return torch.arange(max(0, length - self.capacity), length)
 
+    @property
+    def key_positions(self) -> torch.Tensor:
+        return self._key_positions
+
+    def reset(self) -> None:
+        super().reset()
+        self._key_positions = torch.empty(0, dtype=torch.long)
+
+    def still_held(self, fresh: torch.Tensor, end: int) -> torch.Tensor:
+        """Which of the new positions ``fresh`` the slots still hold once ``end`` positions are written (bool)."""
+        return fresh >= end - self.capacity
+
     def store(self, new: tuple[torch.Tensor, ...], start: int) -> tuple[torch.Tensor, ...]:
-        end = start + new[0].shape[-2]
-        past = self.slots(self.needed(start))
-        fresh = torch.arange(start, end)
-        keep = fresh[torch.isin(fresh, self.held(end))]  # the new positions still held once all are written
+        end, device = start + new[0].shape[-2], new[0].device
+        needed, fresh = self.needed(start), torch.arange(start, end)
+        self._key_positions = torch.cat([needed, fresh])
+        past = self.slots(needed).to(device)
+        keep = fresh[self.still_held(fresh, end)]  # only these can be needed again: the rest would be overwritten
+        slots, rows = self.slots(keep).to(device), (keep - start).to(device)
         out = []
         for i, t in enumerate(new):
             buffer = self.buffer(i, t)
-            out.append(torch.cat([buffer.index_select(-2, past.to(t.device)), t], dim=-2))  # (..., n_past + T_new, w)
-            buffer.index_copy_(buffer.dim() - 2, self.slots(keep).to(t.device), t[..., keep - start, :])
+            out.append(torch.cat([buffer.index_select(-2, past), t], dim=-2))  # (..., n_past + T_new, w)
+            buffer.index_copy_(buffer.dim() - 2, slots, t.index_select(-2, rows))
         return tuple(out)
 
     def check_room(self, end: int) -> None:
@@ -132,6 +147,9 @@ class SinkLayerCache(_KeptCache):
     def held(self, length: int) -> torch.Tensor:
         sinks = torch.arange(min(length, self.n_sink))
         return torch.cat([sinks, torch.arange(min(length, max(self.n_sink, length - self.window)), length)])
+
+    def still_held(self, fresh: torch.Tensor, end: int) -> torch.Tensor:
+        return (fresh < self.n_sink) | (fresh >= end - self.window)
 
     def needed(self, length: int) -> torch.Tensor:
         sinks = torch.arange(min(length, self.n_sink))
