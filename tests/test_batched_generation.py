@@ -1,14 +1,15 @@
 """Batched generation with left padding (chapter 19): every prompt of a batch gets, greedily, exactly the tokens
 it gets alone, for every attention variant of a GPT and every position scheme of the modern decoder, with and
-without the KV cache, also once the text outgrows block_size; pads are never attended to and nothing is NaN.
+without the KV cache (a sliding window's ring cache included), also once the text outgrows block_size; pads are
+never attended to and nothing is NaN.
 The reference is each prompt run alone (no padding, no mask)."""
 import pytest
 import torch
 
-from attnlib import GPT, GPTConfig, ModernConfig, ModernDecoder
-from attnlib.attention.rotary import RotaryAttention
+from attnlib import GPT, Decoder, DecoderConfig, GPTConfig, MultiHeadAttention, RotaryEmbedding
+from attnlib.attention.masks import check_attention_mask, mask_positions
 from attnlib.cache import KVCache
-from attnlib.serving import check_attention_mask, left_pad, mask_positions
+from attnlib.serving import left_pad
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
 N_NEW = 12  # 7 + 12 > block_size 16: the longest row's window slides, the others' do not yet
@@ -35,6 +36,7 @@ MODERN_VARIANTS = {
     "rope": dict(),
     "rope_qk_norm": dict(qk_norm=True),
     "rope_window": dict(sliding_window=3),
+    "rope_chunked": dict(attention_chunk_size=3),
     "alibi": dict(position="alibi"),
     "learned": dict(position="learned"),
     "nope": dict(position="nope"),
@@ -47,13 +49,23 @@ def build(name):
     if name in GPT_VARIANTS:
         return sharpen(GPT(GPTConfig(vocab_size=32, block_size=16, n_layers=2, n_heads=4, d_model=32,
                                      **GPT_VARIANTS[name])))
-    return sharpen(ModernDecoder(ModernConfig(vocab_size=32, block_size=16, n_layers=2, n_heads=4, d_model=32,
-                                              n_kv_heads=2, **MODERN_VARIANTS[name])))
+    return sharpen(Decoder(DecoderConfig.llama(vocab_size=32, block_size=16, n_layers=2, n_heads=4, d_model=32,
+                                               n_kv_heads=2, **MODERN_VARIANTS[name])))
+
+
+def rotary_layer():
+    """Chapter 16's attention: RoPE on queries and keys, no biases."""
+    return MultiHeadAttention(16, 2, rope=RotaryEmbedding(8), bias=False)
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
 @pytest.mark.parametrize("name", [*GPT_VARIANTS, *MODERN_VARIANTS])
-def test_each_prompt_gets_the_tokens_it_gets_alone(name, use_cache):
+def test_each_prompt_gets_the_tokens_it_gets_alone(name, use_cache, request):
+    """``generate`` caches with ``model.new_cache()``: a windowed layer's ring, a chunked layer's current chunk."""
+    if name == "rope_chunked" and use_cache:
+        # A ChunkedLayerCache returns the past of the current chunk counted in columns (cached positions), while
+        # a left-padded row's chunks start at its first real token: row 1 (5 pads) loses keys of its own chunk.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="ChunkedLayerCache ignores left padding"))
     model = build(name)
     idx, mask = left_pad(PROMPTS, pad_id=31)
     out = model.generate(idx, N_NEW, temperature=0.0, attention_mask=mask, use_cache=use_cache)
@@ -64,14 +76,17 @@ def test_each_prompt_gets_the_tokens_it_gets_alone(name, use_cache):
         assert out[i, : idx.shape[1]].tolist() == idx[i].tolist()  # the prompt, pads included, is kept
 
 
-@pytest.mark.parametrize("name", ["mha", "mla", "talking_heads", "rope", "learned", "alibi"])
-def test_padded_logits_equal_each_prompt_alone_and_are_finite(name):
-    """The prefill through the cache: each row's real positions have the logits of the prompt alone (1e-5);
-    the pads' own outputs are finite (never NaN), and the pads' ids change nothing."""
+@pytest.mark.parametrize("windows", [False, True], ids=["full_cache", "ring_cache"])
+@pytest.mark.parametrize("name", ["mha", "mla", "talking_heads", "rope", "learned", "alibi", "mha_window", "rope_window",
+                                  "rope_chunked"])
+def test_padded_logits_equal_each_prompt_alone_and_are_finite(name, windows):
+    """The prefill through the cache (a windowed layer's: every position, or its ring): each row's real positions
+    have the logits of the prompt alone (1e-5); the pads' own outputs are finite (never NaN), and the pads' ids
+    change nothing."""
     model = build(name)
     idx, mask = left_pad(PROMPTS, pad_id=0)
     with torch.no_grad():
-        logits, _ = model(idx, cache=model.new_cache(windows=False), attention_mask=mask)
+        logits, _ = model(idx, cache=model.new_cache(windows=windows), attention_mask=mask)
         other, _ = model(torch.where(mask, idx, 30), attention_mask=mask)  # other pad ids, no cache
         assert torch.isfinite(logits).all() and torch.isfinite(other).all()
         for i, prompt in enumerate(PROMPTS):
@@ -125,15 +140,12 @@ def _gen(mask, idx=None):
          "attention_mask row 1 has padding after a real token; prompts must be left-padded"),
         (lambda: build("mha")(torch.ones(2, 3, dtype=torch.long), attention_mask=torch.zeros(2, 3, dtype=torch.bool)),
          ValueError, "attention_mask row 0 is all padding"),
-        (lambda: build("mha_window")(torch.ones(1, 3, dtype=torch.long), cache=build("mha_window").new_cache(),
-                                     attention_mask=torch.ones(1, 3, dtype=torch.bool)),
-         ValueError, "masks are not supported with a ring cache"),
-        (lambda: build("rope")(torch.ones(1, 3, dtype=torch.long), cache=KVCache(2, 16, windows=[4, 4], n_sink=1),
+        (lambda: build("rope")(torch.ones(1, 3, dtype=torch.long), cache=KVCache.streaming(build("rope"), 4, n_sink=1),
                                attention_mask=torch.ones(1, 3, dtype=torch.bool)),
          ValueError, "masks are not supported with a sink cache"),
-        (lambda: RotaryAttention(16, 2)(torch.randn(2, 3, 16), positions=torch.zeros(2, 4, dtype=torch.long)),
+        (lambda: rotary_layer()(torch.randn(2, 3, 16), positions=torch.zeros(2, 4, dtype=torch.long)),
          ValueError, r"positions must have shape \(B, T\) = \(2, 3\); got \(2, 4\)"),
-        (lambda: RotaryAttention(16, 2)(torch.randn(1, 3, 16), positions=torch.zeros(1, 3)), TypeError,
+        (lambda: rotary_layer()(torch.randn(1, 3, 16), positions=torch.zeros(1, 3)), TypeError,
          "positions must be an integer tensor"),
         (lambda: left_pad([[1, 2], []]), ValueError, r"prompts\[1\] must be a non-empty 1-D sequence"),
         (lambda: left_pad([[1, 40]], vocab_size=32), ValueError, r"prompts\[0\] holds token id 40"),
@@ -158,11 +170,11 @@ def test_bad_mask_is_refused_before_any_forward_pass():
 def test_rotary_layer_rotates_each_row_at_its_positions():
     """A RoPE layer given positions (B, T) equals the same layer run on each row alone at those positions."""
     torch.manual_seed(0)
-    layer = RotaryAttention(16, 2).eval()
+    layer = rotary_layer().eval()
     x = torch.randn(2, 5, 16)
     pos = torch.tensor([[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]])
     kpm = torch.tensor([[True] * 5, [False, False, True, True, True]])
     with torch.no_grad():
-        out = layer(x, key_padding_mask=kpm, positions=pos)
+        out = layer(x, attention_mask=kpm, positions=pos)
         torch.testing.assert_close(out[1, 2:], layer(x[1:, 2:])[0], atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(out[0], layer(x[:1])[0], atol=1e-6, rtol=1e-6)
