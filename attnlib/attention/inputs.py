@@ -60,6 +60,9 @@ def check_layer_inputs(layer, x, context, mask, attention_mask, cache, positions
             raise ValueError("cache is for self-attention; a context's keys and values are not cached here")
         if context.shape[0] != B:
             raise ValueError(f"x and context must have the same batch size; got {tuple(x.shape)} and {tuple(context.shape)}")
+        if layer.rope is not None:
+            raise ValueError("a layer with RoPE rotates positions of one sequence; it takes no context "
+                             "(build the cross-attention layer without rope)")
         if context.shape[1] == 0 and T_q:
             raise ValueError(f"context holds no positions; got shape {tuple(context.shape)}")
     if cache is not None:

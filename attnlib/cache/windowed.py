@@ -30,6 +30,10 @@ class _KeptCache(LayerCache):
     def slots(self, positions: torch.Tensor) -> torch.Tensor:
         return positions % self.capacity
 
+    def held(self, length: int) -> torch.Tensor:
+        """A ring of ``capacity`` slots holds the last ``capacity`` positions written."""
+        return torch.arange(max(0, length - self.capacity), length)
+
     def store(self, new: tuple[torch.Tensor, ...], start: int) -> tuple[torch.Tensor, ...]:
         end = start + new[0].shape[-2]
         past = self.slots(self.needed(start))
@@ -71,17 +75,13 @@ class RingLayerCache(_KeptCache):
         super().__init__(block_size, window)
         self.window = window
 
-    def held(self, length: int) -> torch.Tensor:
-        return torch.arange(max(0, length - self.window), length)
-
     def needed(self, length: int) -> torch.Tensor:
         return torch.arange(max(0, length - self.window + 1), length)
 
     def check_layer(self, layer, masked: bool) -> None:
-        own = getattr(layer, "sliding_window", None)
-        if own is None or own > self.window:
+        if getattr(layer, "sliding_window", None) is None or layer.sliding_window > self.window:
             raise ValueError(f"a ring cache of window={self.window} drops keys this layer "
-                             f"(sliding_window={own}) still attends to")
+                             f"(sliding_window={getattr(layer, 'sliding_window', None)}) still attends to")
 
 
 class SinkLayerCache(_KeptCache):
@@ -161,7 +161,8 @@ class ChunkedLayerCache(_KeptCache):
 
     Raises:
         ValueError: as :class:`~attnlib.cache.layer.LayerCache`; a chunk size that is not an int >= 1;
-            in :meth:`check_layer`, a layer with another chunk size (or none).
+            in :meth:`check_layer`, a layer with another chunk size (or none), or a padding mask (each
+            left-padded row's chunks would start at another column).
     """
 
     def __init__(self, block_size: int, chunk_size: int) -> None:
@@ -169,14 +170,13 @@ class ChunkedLayerCache(_KeptCache):
         super().__init__(block_size, chunk_size)
         self.chunk_size = chunk_size
 
-    def held(self, length: int) -> torch.Tensor:
-        return torch.arange(max(0, length - self.chunk_size), length)
-
     def needed(self, length: int) -> torch.Tensor:
         return torch.arange(length - length % self.chunk_size, length)
 
     def check_layer(self, layer, masked: bool) -> None:
-        own = getattr(layer, "chunk_size", None)
-        if own != self.chunk_size:
+        if getattr(layer, "chunk_size", None) != self.chunk_size:
             raise ValueError(f"a chunked cache of chunk_size={self.chunk_size} does not fit a layer with "
-                             f"chunk_size={own}")
+                             f"chunk_size={getattr(layer, 'chunk_size', None)}")
+        if masked:
+            raise ValueError("masks are not supported with a chunked cache: with left padding each row's chunks "
+                             "start at another column (use a full cache, model.new_cache(windows=False))")
