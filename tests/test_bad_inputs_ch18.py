@@ -21,6 +21,7 @@ from attnlib.attention import (
     topk_attention,
 )
 from attnlib.attention.sparse import topk_mask
+from attnlib.cache import LayerCache
 
 
 def qkv(B=2, h=3, T=6, d=4, seed=0, dtype=torch.float32):
@@ -101,8 +102,18 @@ def test_recurrent_layers_check_their_input(layer):
         m(torch.zeros(1, 0, 8))
     with pytest.raises(ValueError, match=r"x must have shape \(B, T, d_model=8\) with T >= 1; got \(3, 8\)"):
         m(torch.zeros(3, 8))
-    with pytest.raises(TypeError, match="cache must be an attnlib.cache.LayerCache; got dict"):
-        m(torch.zeros(1, 3, 8), cache={})
+    for cache in ({}, LayerCache(8)):  # a softmax layer's cache is no state
+        with pytest.raises(TypeError, match=rf"cache must be an attnlib.cache.RecurrentState \(layer.new_cache\(...\)\); "
+                                            rf"got {type(cache).__name__}"):
+            m(torch.zeros(1, 3, 8), cache=cache)
+    with pytest.raises(ValueError, match="takes no attention_mask or positions: it would fold the padding"):
+        m(torch.zeros(1, 3, 8), attention_mask=torch.ones(1, 3, dtype=torch.bool))
+    m = layer(8, 2, block_size=4)
+    state = m.new_cache(4)
+    with torch.no_grad():
+        m(torch.zeros(1, 3, 8), cache=state)
+        with pytest.raises(ValueError, match=r"sequence length T=5 \(cached 3 \+ new 2\) exceeds block_size=4"):
+            m(torch.zeros(1, 2, 8), cache=state)
     with torch.no_grad():
         assert m(torch.zeros(0, 3, 8)).shape == (0, 3, 8)  # an empty batch: an empty output
 

@@ -1,4 +1,4 @@
-"""Bad inputs to chapter 19's serving code (attnlib.serving, attnlib.speculative): each is refused with a
+"""Bad inputs to chapter 19's serving code (attnlib.serving, the paged cache, speculative decoding): each is refused with a
 TypeError or ValueError naming the argument, its value and what was expected, before any forward pass or
 sampling; a refused forward pass leaves a paged cache as it was. Complements the bad-input cases of
 tests/test_batched_generation.py, tests/test_paged_cache.py and tests/test_speculative.py."""
@@ -6,18 +6,10 @@ import pytest
 import torch
 
 from attnlib import GPT, GPTConfig
-from attnlib.generate import speculative_generate
-from attnlib.serving import (
-    OutOfPages,
-    PageAllocator,
-    PagedKVCache,
-    cache_memory,
-    left_pad,
-    mask_positions,
-    request_lengths,
-    serve,
-)
-from attnlib.speculative import verify_drafts
+from attnlib.attention.masks import mask_positions
+from attnlib.cache import OutOfPages, PageAllocator, PagedKVCache
+from attnlib.generation import speculative_generate, verify_drafts
+from attnlib.serving import cache_memory, left_pad, request_lengths, serve
 
 
 def tiny(seed=0, block_size=16):

@@ -1,7 +1,7 @@
 """Bad inputs to the long-context / modern-decoder API: each gets a clear error naming it, never a silent wrong answer.
 
-RoPE and its scalings (attnlib.rope, attnlib.positional), ModernConfig / ModernDecoder, the Hugging Face loaders,
-the window and sink caches, kv_memory and the score/mask mods. Each case asserts the exception's type and message.
+RoPE and its scalings (attnlib.positional), DecoderConfig.llama / Decoder, the Hugging Face loaders, the caches
+(full, window, sink, the model's), and the score/mask mods. Each case asserts the exception's type and message.
 """
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import re
 import pytest
 import torch
 
-from attnlib.cache import KVCache, LayerCache, SinkLayerCache
-from attnlib.positional import RotaryEmbedding
-from attnlib.rope import rope_frequencies
+from attnlib import Decoder, DecoderConfig
+from attnlib.cache import KVCache, LayerCache, RingLayerCache, SinkLayerCache
+from attnlib.models.hf_llama import config_from_hf_decoder
+from attnlib.positional import RotaryEmbedding, rope_frequencies
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -130,14 +131,14 @@ SMALL = {"vocab_size": 50, "block_size": 16, "n_layers": 1, "n_heads": 2, "d_mod
     ("kwargs", "error", "message"),
     [
         ({"norm_eps": "1e-6"}, TypeError, "norm_eps must be a number; got '1e-6' (str)"),
-        ({"norm_eps": 0.0}, ValueError, "norm_eps=0.0 must be > 0 (it keeps RMSNorm's division away from 0)"),
+        ({"norm_eps": 0.0}, ValueError, "norm_eps=0.0 must be > 0 (it keeps the norm's division away from 0)"),
         ({"norm_eps": -1e-5}, ValueError, "norm_eps=-1e-05 must be > 0"),
         ({"norm_eps": float("nan")}, ValueError, "norm_eps=nan must be a finite number"),
         ({"rope_base": "1e4"}, TypeError, "rope_base must be a number; got '1e4' (str)"),
         ({"rope_base": 0.5}, ValueError, "rope_base=0.5 must be a finite number > 1"),
         ({"attn_softcap": "50"}, TypeError, "attn_softcap must be a number; got '50' (str)"),
         ({"attn_softcap": -1.0}, ValueError, "attn_softcap must be a finite number > 0, got -1.0"),
-        ({"position": ["rope"]}, ValueError, "position=['rope'] is not one of ('rope', 'alibi', 'learned', 'nope')"),
+        ({"position": ["rope"]}, ValueError, "position=['rope'] is not one of ('learned', 'rope', 'alibi', 'nope')"),
         ({"position": "alibi", "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, ValueError,
          "rope_scaling={'rope_type': 'linear', 'factor': 2.0} is given but position='alibi' does not use RoPE"),
         ({"rope_scaling": "linear"}, TypeError, "rope_scaling must be a dict or None, got str"),
@@ -147,18 +148,14 @@ SMALL = {"vocab_size": 50, "block_size": 16, "n_layers": 1, "n_heads": 2, "d_mod
          "softcap-negative", "position-list", "scaling-without-rope", "scaling-str", "odd-head-with-rope"],
 )
 def test_modern_config_refuses(kwargs, error, message):
-    from attnlib import ModernConfig
-
-    _raises(lambda: ModernConfig(**{**SMALL, **kwargs}), error, message)
+    _raises(lambda: DecoderConfig.llama(**{**SMALL, **kwargs}), error, message)
 
 
 @pytest.mark.parametrize("position", ["alibi", "learned", "nope"])
 def test_odd_head_width_is_fine_without_rope(position):
-    from attnlib import ModernConfig, ModernDecoder
-
     torch.manual_seed(0)
-    model = ModernDecoder(ModernConfig(**{**SMALL, "d_model": 14, "position": position})).eval()  # heads of 7
-    assert model.rope is None
+    model = Decoder(DecoderConfig.llama(**{**SMALL, "d_model": 14, "position": position})).eval()  # heads of 7
+    assert not hasattr(model, "rope") and all(block.attn.rope is None for block in model.blocks)
     idx = torch.randint(0, 50, (2, 9))
     logits = model(idx)[0]
     assert logits.shape == (2, 9, 50) and torch.isfinite(logits).all()
@@ -167,19 +164,15 @@ def test_odd_head_width_is_fine_without_rope(position):
 
 
 def test_config_keeps_its_own_rope_scaling():
-    from attnlib import ModernConfig
-
     scaling = {"rope_type": "linear", "factor": 2.0}
-    config = ModernConfig(**SMALL, rope_scaling=scaling)
+    config = DecoderConfig.llama(**SMALL, rope_scaling=scaling)
     scaling["factor"] = 0.5  # an edit after checking must not reach the config
     assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
 
 
 def test_meta_model_with_dynamic_rope_gives_shapes():
-    from attnlib import ModernConfig, ModernDecoder
-
     with torch.device("meta"):
-        model = ModernDecoder(ModernConfig(**SMALL, rope_scaling=DYNAMIC))
+        model = Decoder(DecoderConfig.llama(**SMALL, rope_scaling=DYNAMIC))
     logits = model(torch.zeros(2, 5, dtype=torch.long, device="meta"))[0]
     assert logits.device.type == "meta" and logits.shape == (2, 5, 50)
 
@@ -223,8 +216,6 @@ def _llama_dict(**changes):
          "partial-rotary-top-level"],
 )
 def test_config_from_hf_refuses(hf_config, error, message):
-    from attnlib.hf_decoder import config_from_hf_decoder
-
     _raises(lambda: config_from_hf_decoder(hf_config, "llama"), error, message)
 
 
@@ -238,18 +229,25 @@ def _qwen3_dict(**changes):
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1, "layer_types": None},
-         "cannot reproduce layer_types=['full_attention', 'sliding_attention']: sliding windows on only some layers"),
         ({"layer_types": ["full_attention"]}, "cannot reproduce layer_types=['full_attention']: expected 2 of"),
         ({"layer_types": ["chunked_attention"] * 2}, "cannot reproduce layer_types=['chunked_attention', 'chunked_attention']"),
         ({"use_sliding_window": "true"}, "use_sliding_window='true' must be a bool (true/false)"),
     ],
-    ids=["mixed-from-max-window-layers", "too-few-types", "unknown-type", "flag-str"],
+    ids=["too-few-types", "unknown-type", "flag-str"],
 )
 def test_qwen3_layer_types_refused(changes, message):
-    from attnlib.hf_decoder import config_from_hf_decoder
-
     _raises(lambda: config_from_hf_decoder(_qwen3_dict(**changes), "qwen3"), ValueError, message)
+
+
+def test_qwen3_layer_types_from_max_window_layers_are_transformers():
+    """A config.json without layer_types: layers from max_window_layers on slide, as transformers builds them."""
+    from transformers import Qwen3Config
+
+    changes = {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}
+    as_dict = {k: v for k, v in _qwen3_dict(**changes).items() if k != "layer_types"}
+    config = config_from_hf_decoder(as_dict, "qwen3")
+    assert config.layer_types == tuple(Qwen3Config(**as_dict).layer_types) == ("full_attention", "sliding_attention")
+    assert config.sliding_window == 4
 
 
 def _same_logits(hf_model, ours):
@@ -327,14 +325,15 @@ def test_model_takes_the_embedding_dtype_not_a_stray_buffer():
 @pytest.mark.parametrize(
     ("call", "error", "message"),
     [
-        (lambda: KVCache(2, 10, windows=4), TypeError,
-         "windows must be a list of one window (int) or None per layer; got 4"),
-        (lambda: KVCache(2, 10, windows="ab"), TypeError, "windows must be a list of one window (int) or None per layer; got 'ab'"),
-        (lambda: KVCache(2, 10, windows=[4, 4], n_sink="2"), TypeError, "n_sink must be an int >= 0, got '2'"),
+        (lambda: KVCache(4), TypeError, "layers must be a list of per-layer caches; got int"),
+        (lambda: KVCache("ab"), TypeError, "layers must be a list of per-layer caches; got str"),
+        (lambda: KVCache([]), TypeError, "layers must hold one per-layer cache per layer; got an empty list"),
+        (lambda: KVCache([LayerCache(8), 8]), TypeError, "layers[1] (int) is not a layer cache: it lacks ['length',"),
+        (lambda: SinkLayerCache(10, 4, n_sink="2"), TypeError, "n_sink must be an int >= 0, got '2'"),
         (lambda: SinkLayerCache(10, 4, n_sink=2.0), TypeError, "n_sink must be an int >= 0, got 2.0"),
-        (lambda: LayerCache(8).truncate(-1), ValueError, "length=-1 must be an int >= 0"),
-        (lambda: LayerCache(8).truncate(1.5), TypeError, "length must be an int; got 1.5 (float)"),
-        (lambda: KVCache(2, 8).truncate(-2), ValueError, "length=-2 must be an int >= 0"),
+        (lambda: LayerCache(8).crop(-1), ValueError, "length=-1 must be an int >= 0"),
+        (lambda: LayerCache(8).crop(1.5), TypeError, "length must be an int; got 1.5 (float)"),
+        (lambda: KVCache([LayerCache(8), LayerCache(8)]).crop(-2), ValueError, "length=-2 must be an int >= 0"),
         (lambda: _filled(LayerCache(8)).reorder([0]), TypeError, "index must be a 1-D integer tensor of batch rows; got list"),
         (lambda: _filled(LayerCache(8)).reorder(torch.tensor([0.0])), TypeError,
          "index must be a 1-D integer tensor of batch rows; got torch.float32"),
@@ -342,24 +341,25 @@ def test_model_takes_the_embedding_dtype_not_a_stray_buffer():
          "index must be a 1-D tensor of rows of the cached batch of 2; got [0, 5]"),
         (lambda: _filled(LayerCache(8)).reorder(torch.tensor([-1])), ValueError, "of the cached batch of 2; got [-1]"),
     ],
-    ids=["windows-int", "windows-str", "n-sink-str", "n-sink-float", "truncate-negative", "truncate-float",
-         "kv-truncate-negative", "reorder-list", "reorder-float", "reorder-out-of-batch", "reorder-negative"],
+    ids=["layers-int", "layers-str", "layers-empty", "layer-not-a-cache", "n-sink-str", "n-sink-float", "crop-negative",
+         "crop-float", "kv-crop-negative", "reorder-list", "reorder-float", "reorder-out-of-batch", "reorder-negative"],
 )
 def test_cache_refuses(call, error, message):
     _raises(call, error, message)
 
 
 def _filled(cache):
-    cache.update(k=torch.randn(2, 3, 4))
+    cache.update(torch.randn(2, 3, 4))
     return cache
 
 
-def test_truncating_a_cache_with_a_window_layer_leaves_every_layer_in_step():
-    cache = KVCache(2, 8, windows=[None, 4])
+def test_cropping_a_cache_with_a_window_layer_leaves_every_layer_in_step():
+    cache = KVCache([LayerCache(8), RingLayerCache(8, 4)])
     for layer in cache.layers:
-        layer.update(k=torch.randn(1, 3, 2))
-    _raises(lambda: cache.truncate(1), ValueError, "RingLayerCache keeps only the last window=4 positions")
-    assert cache.length == 3  # the full layer was not truncated before the ring refused
+        layer.update(torch.randn(1, 7, 2))  # the ring holds positions 3..6; the token at 2 would need 0 and 1
+    _raises(lambda: cache.crop(2), ValueError,
+            "RingLayerCache cannot crop to length=2: it no longer holds positions [0, 1]... that the next token needs")
+    assert cache.length == 7  # the full layer was not cropped before the ring refused
 
 
 @pytest.mark.parametrize(
@@ -371,7 +371,7 @@ def test_truncating_a_cache_with_a_window_layer_leaves_every_layer_in_step():
     ids=["fewer-positions-than-keys", "fewer-rows-than-batch"],
 )
 def test_document_mask_refuses_indices_it_does_not_label(doc_ids, shape, message):
-    from attnlib.masks import mask_from_mod
-    from attnlib.mods import document_mask
+    from attnlib.attention.masks import mask_from_mod
+    from attnlib.attention.mods import document_mask
 
     _raises(lambda: mask_from_mod(document_mask(doc_ids), shape), ValueError, message)

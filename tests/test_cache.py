@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from attnlib import GPT, GPTConfig
-from attnlib.attention import ATTENTION_REGISTRY
-from attnlib.beam import beam_search
-from attnlib.cache import KVCache, LayerCache
+from attnlib.cache import ChunkedLayerCache, KVCache, LayerCache, RingLayerCache, SinkLayerCache
+from attnlib.generation import beam_search
+from attnlib.models.config import ATTENTION_VARIANTS
 
 ATOL = 1e-5
-VARIANTS = sorted(ATTENTION_REGISTRY)
+VARIANTS = sorted(ATTENTION_VARIANTS)
 
 
 def small_model(attention, **overrides):
@@ -80,13 +80,13 @@ def test_cache_holds_exactly_what_the_variant_needs(attention):
     assert model.kv_cache_bytes_per_token() == cache.bytes_per_token()
     assert model.kv_cache_bytes_per_token(torch.float16) == per_token * model.config.n_layers * 2
     assert cache.nbytes() == 3 * 16 * per_token * model.config.n_layers * 4  # pre-allocated to block_size
-    shapes = {name: tuple(b.shape) for name, b in cache.layers[0].buffers.items()}
+    shapes = [tuple(b.shape) for b in cache.layers[0].buffers]  # keys and values, or MLA's latent
     expected = {
-        "mha": {"k": (3, 4, 16, 8), "v": (3, 4, 16, 8)},
-        "talking_heads": {"k": (3, 4, 16, 8), "v": (3, 4, 16, 8)},
-        "gqa": {"k": (3, 2, 16, 8), "v": (3, 2, 16, 8)},
-        "mqa": {"k": (3, 1, 16, 8), "v": (3, 1, 16, 8)},
-        "mla": {"c": (3, 16, 8)},
+        "mha": [(3, 4, 16, 8), (3, 4, 16, 8)],
+        "talking_heads": [(3, 4, 16, 8), (3, 4, 16, 8)],
+        "gqa": [(3, 2, 16, 8), (3, 2, 16, 8)],
+        "mqa": [(3, 1, 16, 8), (3, 1, 16, 8)],
+        "mla": [(3, 16, 8)],
     }[attention]
     assert shapes == expected
 
@@ -98,17 +98,19 @@ def test_cache_errors():
         model(torch.randint(0, 23, (1, 10)), cache=cache)
         with pytest.raises(ValueError, match=re.escape("the cache holds 10 tokens; 7 more exceed block_size=16")):
             model(torch.randint(0, 23, (1, 7)), cache=cache)
-        with pytest.raises(ValueError, match=re.escape("cached 'k' has shape (1, 4, 16, 8); cannot append (2, 4, 1, 8)")):
+        with pytest.raises(ValueError, match=re.escape("cached tensor 0 has shape (1, 4, 16, 8); cannot append (2, 4, 1, 8)")):
             model(torch.randint(0, 23, (2, 1)), cache=cache)  # another batch size
     layer = LayerCache(4)
-    layer.update(k=torch.zeros(1, 2, 2))
+    layer.update(torch.zeros(1, 2, 2))
     with pytest.raises(ValueError, match=re.escape("is torch.float32 on cpu; cannot append torch.float64")):
-        layer.update(k=torch.zeros(1, 1, 2, dtype=torch.float64))
+        layer.update(torch.zeros(1, 1, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match=re.escape("this cache holds 1 tensors (filled by another attention variant?)")):
+        layer.update(torch.zeros(1, 1, 2), torch.zeros(1, 1, 2))
     layer.reset()
-    assert layer.length == 0 and layer.update(k=torch.ones(1, 1, 2))[0].shape == (1, 1, 2)
-    with pytest.raises(ValueError, match=re.escape("max_len=4; cannot add 5")):
-        layer.update(k=torch.zeros(1, 5, 2))
-    with pytest.raises(ValueError, match=re.escape("max_len=0")):
+    assert layer.length == 0 and layer.update(torch.ones(1, 1, 2))[0].shape == (1, 1, 2)
+    with pytest.raises(ValueError, match=re.escape("block_size=4; cannot add 5")):
+        layer.update(torch.zeros(1, 5, 2))
+    with pytest.raises(ValueError, match=re.escape("block_size=0")):
         LayerCache(0)
 
 
@@ -157,16 +159,65 @@ def test_beam_search_rejects_bad_input():
         beam_search(model, torch.zeros(1, 3, dtype=torch.long), 3, beam_width=0)
 
 
-def test_truncate_forgets_later_positions_and_window_caches_refuse():
-    from attnlib.cache import RingLayerCache, SinkLayerCache
+def filled(cache, n):
+    """``cache`` after ``n`` positions whose one cached number is the position itself."""
+    cache.update(torch.arange(float(n)).view(1, n, 1))
+    return cache
 
-    cache = KVCache(2, 8)
-    for layer in cache.layers:
-        layer.update(k=torch.arange(5.0).view(1, 5, 1))
-    cache.truncate(3)
+
+def test_crop_forgets_later_positions_and_a_longer_crop_changes_nothing():
+    cache = KVCache([filled(LayerCache(8), 5) for _ in range(2)])
+    cache.crop(9)  # longer than it holds: nothing changes
+    cache.crop(5)
+    assert cache.length == 5
+    cache.crop(3)
     assert cache.length == 3
-    (k,) = cache.layers[0].update(k=torch.full((1, 1, 1), 9.0))
-    assert k.flatten().tolist() == [0.0, 1.0, 2.0, 9.0]
-    for window_cache in (RingLayerCache(8, 4), SinkLayerCache(8, 4, 1)):
-        with pytest.raises(ValueError, match="cannot be truncated"):
-            window_cache.truncate(2)
+    (k,) = cache.layers[0].update(torch.full((1, 1, 1), 9.0))
+    assert k.flatten().tolist() == [0.0, 1.0, 2.0, 9.0]  # positions 3 and 4 forgotten, 3 written again
+    assert cache.layers[0].key_positions.tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match=re.escape("length=-1 must be an int >= 0")):
+        cache.crop(-1)
+
+
+# Hand counts. A ring of window w holds the last w positions written; the token at position n needs the w - 1
+# before it. A sink cache holds the n_sink first as well, and the token at n needs them too. A chunked cache holds
+# the last chunk_size positions; the token at n needs its chunk's, n - n % chunk_size ... n - 1.
+@pytest.mark.parametrize(
+    ("make", "written", "allowed", "refused", "returned"),
+    [
+        # ring w=4 after 7: holds 3..6. Crop to 6: needs 3, 4, 5 (held). Crop to 5: needs 2 (overwritten by 6).
+        (lambda: RingLayerCache(16, 4), 7, [10, 7, 6], [5, 2, 1], [3.0, 4.0, 5.0]),
+        # ring w=4 after 3: nothing overwritten yet, every crop is allowed.
+        (lambda: RingLayerCache(16, 4), 3, [0, 1], [], [0.0]),
+        # 1 sink + window 4 after 9: holds 0 and 5..8. Crop to 8: needs 0, 5, 6, 7. Crop to 7: needs 4 (gone).
+        (lambda: SinkLayerCache(16, 4, 1), 9, [9, 8], [7, 4], [0.0, 5.0, 6.0, 7.0]),
+        # chunks of 4 after 7: holds 3..6. Crop to 4: needs nothing (a new chunk). Crop to 3: needs 0, 1, 2 (gone).
+        (lambda: ChunkedLayerCache(16, 4), 7, [5, 4], [3, 1], []),
+        # chunks of 4 after 6: holds 2..5. Crop to 3: needs 0, 1, 2; 0 and 1 were overwritten by 4 and 5.
+        (lambda: ChunkedLayerCache(16, 4), 6, [4], [3, 2], []),
+    ],
+)
+def test_kept_caches_refuse_a_crop_exactly_where_the_next_token_needs_a_lost_position(
+        make, written, allowed, refused, returned):
+    for length in refused:
+        cache = filled(make(), written)
+        with pytest.raises(ValueError, match=f"cannot crop to length={length}: it no longer holds positions"):
+            cache.crop(length)
+        assert cache.length == written  # checked before anything changed
+    for length in allowed:
+        cache = filled(make(), written)
+        cache.crop(length)
+        assert cache.length == min(length, written)
+    # After the last allowed crop, the next update returns the positions the next token needs, as they were written.
+    (k,) = cache.update(torch.full((1, 1, 1), 99.0))
+    assert k.flatten().tolist() == [*returned, 99.0]
+    assert cache.key_positions.tolist() == [*[int(p) for p in returned], min(allowed[-1], written)]
+
+
+def test_a_model_cache_crops_all_layers_or_none():
+    cache = KVCache([filled(LayerCache(16), 7), filled(RingLayerCache(16, 4), 7)])
+    with pytest.raises(ValueError, match="RingLayerCache cannot crop to length=5"):
+        cache.crop(5)  # the full layer could, the ring cannot: neither does
+    assert [layer.length for layer in cache.layers] == [7, 7]
+    cache.crop(6)
+    assert [layer.length for layer in cache.layers] == [6, 6]

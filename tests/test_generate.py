@@ -1,6 +1,7 @@
 """Generation, sampling and beam search: one decode loop, its checks, stop tokens in every decoder, length
 penalties, top-p on a GPT-2-sized vocabulary, integer dtypes, the eval-mode context and the ignored-target loss."""
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,10 +11,9 @@ from torch import nn
 
 from attnlib import GPT, GPTConfig
 from attnlib._checks import cross_entropy_loss, eval_mode, token_id_list, token_ids
-from attnlib.beam import beam_search
-from attnlib.generate import decode, sample_next_token, top_k_filter, top_p_filter
+from attnlib.generation import beam_search, generate, sample_next_token, top_k_filter, top_p_filter
+from attnlib.models.transformer import Transformer
 from attnlib.tokenizers import BPETokenizer, CharTokenizer, WordTokenizer
-from attnlib.transformer import Transformer
 
 SMALL = dict(vocab_size=20, block_size=16, n_layers=2, n_heads=2, d_model=16)
 PAD, BOS, EOS = 0, 1, 2
@@ -28,7 +28,7 @@ def gpt():
 @pytest.fixture(scope="module")
 def seq2seq():
     torch.manual_seed(0)
-    return Transformer(20, 17, d_model=32, n_heads=4, n_layers=2, max_len=24).eval()
+    return Transformer(20, 17, d_model=32, n_heads=4, n_layers=2, block_size=24).eval()
 
 
 # --- greedy == argmax of a forward pass written out by hand ---------------------------------------------------------
@@ -128,21 +128,23 @@ def test_a_tiny_temperature_is_greedy_not_nan():
 # --- beam search: length penalty, stop tokens -----------------------------------------------------------------------
 
 class TableDecoder:
-    """A decoder whose next-token probabilities depend on the last token only (rows of ``table``)."""
+    """A decoder whose next-token probabilities depend on the last token only (rows of ``table``), with the
+    interface every decoding loop drives (:mod:`attnlib.generation.step`); it keeps no cache."""
 
-    vocab_size = 3
+    config = SimpleNamespace(vocab_size=3, block_size=64)
 
     def __init__(self):
         # token 0 = stop. From 2: stop 0.5, 1 0.45, 2 0.05. From 1: stop 0.9, 1 0.05, 2 0.05.
         self.table = torch.tensor([[1.0, 0.0, 0.0], [0.9, 0.05, 0.05], [0.5, 0.45, 0.05]]).log()
         self.calls = 0
 
-    def new_cache(self):
+    def new_cache(self, windows=True):
         return None
 
-    def next_token_logits(self, tokens, cache, n_new):
+    def __call__(self, tokens, cache=None, attention_mask=None, positions=None, last_only=False):
         self.calls += 1
-        return self.table[tokens[:, -1]], None
+        logits = self.table[tokens]  # (B, T) -> (B, T, vocab_size)
+        return (logits[:, -1:] if last_only else logits), None
 
 
 def test_the_length_penalty_divides_each_beam_by_its_own_length():
@@ -181,7 +183,7 @@ def test_gpt_generate_stops_and_pads_each_row(gpt):
 
 def test_the_transformer_decoders_stop_at_any_stop_token(seq2seq):
     src = torch.randint(3, 20, (2, 5))
-    model = Transformer(20, 17, d_model=32, n_heads=4, n_layers=1, max_len=24).eval()
+    model = Transformer(20, 17, d_model=32, n_heads=4, n_layers=1, block_size=24).eval()
     with torch.no_grad():
         model.lm_head.bias.fill_(0.0)
         model.lm_head.bias[7] = 100.0  # always emits 7
@@ -280,7 +282,7 @@ def test_beam_search_takes_one_prompt(gpt):
     "call, error, message",
     [
         (lambda m: m.greedy_decode(torch.randint(3, 20, (1, 5)), 24), ValueError,
-         "max_new_tokens=24 \\+ 1 \\(bos\\) exceeds the model's max_len=24"),
+         "max_new_tokens=24 \\+ 1 \\(bos\\) exceeds the model's block_size=24"),
         (lambda m: m.greedy_decode(torch.randint(3, 20, (1, 5)), -1), ValueError, "max_new_tokens=-1 must be an int >= 0"),
         (lambda m: m.greedy_decode(torch.randint(3, 20, (1, 5)), 4, stop_tokens=[17]), ValueError,
          "stop_tokens holds token id 17, outside the vocabulary \\[0, 17\\)"),
@@ -398,7 +400,7 @@ def test_the_transformer_loss_is_finite_when_every_target_is_padding(seq2seq):
     assert loss.item() == 0.0
 
 
-def test_decode_with_an_empty_batch_returns_it(gpt):
+def test_generate_with_an_empty_batch_returns_it(gpt):
     empty = torch.zeros(0, 3, dtype=torch.long)
-    assert decode(gpt, empty, 4, vocab_size=20).shape == (0, 3)
+    assert generate(gpt, empty, 4).shape == (0, 3)
     assert top_k_filter(torch.zeros(0, 5), 2).shape == (0, 5)

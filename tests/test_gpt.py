@@ -6,20 +6,22 @@ import re
 import pytest
 import torch
 
-from attnlib import ATTENTION_REGISTRY, GPT, GPTConfig
-from attnlib.generate import sample_next_token, top_k_filter, top_p_filter
+from attnlib import GPT, GPTConfig
+from attnlib.generation import sample_next_token, top_k_filter, top_p_filter
+from attnlib.models.layers import ATTENTION_LAYERS
 
 SMALL = dict(vocab_size=20, block_size=16, n_layers=2, n_heads=2, d_model=16)
 
 
-def test_config_keeps_what_it_was_given():
+def test_config_resolves_derived_sizes_under_their_own_names():
     c = GPTConfig(n_heads=4, d_model=64)
-    assert c.n_kv_heads is None and c.kv_latent_dim is None  # not given: stays None
-    assert c.kv_heads == 4 and c.head_dim == 16 and c.attention in ATTENTION_REGISTRY
-    assert GPTConfig(n_heads=4, d_model=64, attention="mqa").kv_heads == 1
-    assert GPTConfig(n_heads=4, d_model=64, attention="gqa", n_kv_heads=2).kv_heads == 2
-    assert GPTConfig(n_heads=4, d_model=64, attention="mla").latent_dim == 16  # d_model // 4
-    assert GPTConfig(n_heads=4, d_model=64, attention="mla", kv_latent_dim=5).latent_dim == 5
+    assert c.n_kv_heads == 4 and c.head_dim == 16 and c.kv_latent_dim is None  # not given: derived (MHA, no latent)
+    assert c.d_ff == 256 and c.layer_types == ("full_attention",) * c.n_layers and c.attention in ATTENTION_LAYERS
+    assert GPTConfig(n_heads=4, d_model=64, attention="mqa").n_kv_heads == 1
+    assert GPTConfig(n_heads=4, d_model=64, attention="gqa", n_kv_heads=2).n_kv_heads == 2
+    assert GPTConfig(n_heads=4, d_model=64, attention="mla").kv_latent_dim == 16  # d_model // 4
+    assert GPTConfig(n_heads=4, d_model=64, attention="mla", kv_latent_dim=5).kv_latent_dim == 5
+    assert GPTConfig(n_heads=4, d_model=64, head_dim=8).head_dim == 8  # given: kept as given
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.n_heads = 2
 
@@ -27,11 +29,13 @@ def test_config_keeps_what_it_was_given():
 def test_replace_never_guesses_which_fields_were_defaulted():
     base = GPTConfig(n_heads=4, d_model=64)
     smaller = base.replace(n_heads=2, d_model=32)
-    assert smaller.n_kv_heads is None and smaller.kv_heads == 2  # a defaulted n_kv_heads follows n_heads
+    assert (smaller.n_kv_heads, smaller.head_dim, smaller.d_ff) == (2, 16, 128)  # derived ones follow the new sizes
     kept = GPTConfig(n_heads=4, n_kv_heads=2, attention="gqa").replace(n_layers=1)
-    assert (kept.n_kv_heads, kept.kv_heads, kept.n_layers) == (2, 2, 1)
+    assert (kept.n_kv_heads, kept.n_layers, kept.layer_types) == (2, 1, ("full_attention",))  # given: kept
     mla = GPTConfig(attention="mla", kv_latent_dim=5).replace(d_model=128)
     assert mla.kv_latent_dim == 5
+    assert GPTConfig(attention="mla").replace(d_model=128).kv_latent_dim == 32  # derived: follows d_model
+    assert dataclasses.replace(base, n_heads=2).n_kv_heads == 2  # dataclasses.replace derives again too
     with pytest.raises(ValueError, match=re.escape("n_heads=3 is not divisible by n_kv_heads=2")):
         GPTConfig(n_heads=4, n_kv_heads=2, d_model=48, attention="gqa").replace(n_heads=3)
     with pytest.raises(ValueError, match=re.escape("n_kv_heads=2 contradicts attention='mqa'")):
@@ -76,7 +80,7 @@ def test_bias_false_removes_every_bias():
     assert not [n for n, _ in model.named_parameters() if n.endswith("bias")]
 
 
-@pytest.mark.parametrize("attention", sorted(ATTENTION_REGISTRY))
+@pytest.mark.parametrize("attention", sorted(ATTENTION_LAYERS))
 def test_gpt_is_causal(attention):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**SMALL, attention=attention)).eval()
@@ -124,7 +128,7 @@ def test_forward_rejects_bad_targets():
 
 
 def test_gpt_rejects_a_non_config():
-    with pytest.raises(TypeError, match="config must be an attnlib.GPTConfig; got dict"):
+    with pytest.raises(TypeError, match="config must be an attnlib.DecoderConfig; got dict"):
         GPT(dict(SMALL))
 
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from attnlib import GPT, GPTConfig
-from attnlib.gpt2 import from_hf_gpt2, parameter_breakdown, saved_activation_bytes
+from attnlib.models.hf_gpt2 import from_hf_gpt2, parameter_breakdown, saved_activation_bytes
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,7 +55,7 @@ def test_state_dict_needs_a_config_and_matching_shapes(hf_model):
     with pytest.raises(ValueError, match="has no 'transformer.ln_f.bias'"):
         from_hf_gpt2({k: v for k, v in state.items() if k != "transformer.ln_f.bias"}, config)
     with pytest.raises(ValueError, match=r"transformer.wpe.weight.*\(24, 48\).*\(32, 48\)"):
-        from_hf_gpt2(state, GPTConfig(**{**config.__dict__, "block_size": 32}))
+        from_hf_gpt2(state, config.replace(block_size=32))
     with pytest.raises(ValueError, match="gelu_approximate='none': GPT-2 uses the tanh GELU"):
         from_hf_gpt2(state, GPTConfig(vocab_size=97, block_size=24, n_layers=3, n_heads=4, d_model=48))
     with pytest.raises(TypeError, match="GPT2LMHeadModel or its state_dict"):
@@ -113,7 +113,9 @@ def test_reproducible_hf_variants_give_the_same_logits(changes):
         (dict(vocab_size=12), "config.vocab_size=12 does not match the source model's vocab_size"),
         (dict(block_size=16), "config.block_size=16 does not match the source model's n_positions"),
         (dict(gelu_approximate="none"), "config.gelu_approximate='none' does not match the source model's activation"),
-        (dict(bias=False), "config.bias=False: GPT-2 has biases"),
+        (dict(bias=False), "config.bias=False: GPT-2's layout has bias=True"),
+        (dict(norm="rmsnorm"), "config.norm='rmsnorm': GPT-2's layout has norm='layernorm'"),
+        (dict(sliding_window=4), "config.layer_types=\\('sliding_attention', 'sliding_attention'\\): GPT-2's layout"),
         (dict(attention="talking_heads"), "config.attention='talking_heads'"),
     ],
 )
@@ -122,7 +124,7 @@ def test_an_explicit_config_must_match_the_source_model(changes, message):
     hf = tiny_hf()
     from_hf_gpt2(hf, config)  # the matching config is accepted
     with pytest.raises(ValueError, match=message):
-        from_hf_gpt2(hf, GPTConfig(**{**config.__dict__, **changes}))
+        from_hf_gpt2(hf, config.replace(**changes))
 
 
 def test_a_state_dict_that_does_not_fit_is_refused():
@@ -130,14 +132,14 @@ def test_a_state_dict_that_does_not_fit_is_refused():
     state = hf.state_dict()
     config = GPTConfig(vocab_size=11, block_size=8, n_layers=2, n_heads=2, d_model=16, gelu_approximate="tanh")
     with pytest.raises(ValueError, match="has 2 layers but config.n_layers=1"):
-        from_hf_gpt2(state, GPTConfig(**{**config.__dict__, "n_layers": 1}))
+        from_hf_gpt2(state, config.replace(n_layers=1))
     untied = {**state, "lm_head.weight": state["transformer.wte.weight"] + 1.0}
     with pytest.raises(ValueError, match="'lm_head.weight' differs from 'transformer.wte.weight'"):
         from_hf_gpt2(untied, config)
     with pytest.raises(ValueError, match="'transformer.h.0.crossattention.c_attn.weight' \\(1 unknown keys\\)"):
         from_hf_gpt2({**state, "transformer.h.0.crossattention.c_attn.weight": torch.zeros(16, 48)}, config)
     with pytest.raises(TypeError, match="config must be an attnlib.GPTConfig or None; got dict"):
-        from_hf_gpt2(state, dict(config.__dict__))
+        from_hf_gpt2(state, config.to_dict())
 
 
 def test_a_model_that_is_not_gpt2_is_refused():

@@ -50,7 +50,7 @@ def test_the_wheel_is_what_gets_imported(installed):
     venv = python.parent.parent
     assert Path(file).is_relative_to(venv) and not Path(file).is_relative_to(ROOT), file
     assert Path(prefix) == venv
-    assert dist_version == "1.0.0" and version == dist_version, (version, dist_version)
+    assert dist_version == "2.0.0" and version == dist_version, (version, dist_version)
     committed = "from attnlib.book import results; print([sorted(results.load(n))[0] for n in results.NAMES])"
     run([python, "-c", committed], cwd=work, env=env)  # the committed results files are in the wheel
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from attnlib import GPT, GPTConfig
-from attnlib.kv_memory import kv_cache_bytes, layer_windows
+from attnlib.cache.memory import kv_cache_bytes, layer_windows
 
-BIG = {"n_layers": 32, "head_dim": 128, "context_length": 32_768, "dtype": torch.bfloat16}
+BIG = {"n_layers": 32, "head_dim": 128, "seq_len": 32_768, "dtype": torch.bfloat16}
 
 
 @pytest.mark.parametrize(
@@ -32,16 +32,19 @@ def test_gemma3_pattern():
 
 @pytest.mark.parametrize(("attention", "n_kv_heads"), [("mha", None), ("gqa", 2), ("mqa", None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_agrees_with_the_tensors_of_a_filled_cache(attention, n_kv_heads, dtype):
+@pytest.mark.parametrize("window", [None, 4])
+def test_agrees_with_the_tensors_of_a_filled_cache(attention, n_kv_heads, dtype, window):
+    # With a window: two local layers, then a global one (global_every=3); the local layers' caches are rings.
+    local = None if window is None else ("sliding_attention", "sliding_attention", "full_attention")
     config = GPTConfig(vocab_size=50, block_size=16, n_layers=3, n_heads=4, d_model=32, attention=attention,
-                       n_kv_heads=n_kv_heads)
+                       n_kv_heads=n_kv_heads, sliding_window=window, layer_types=local)
     model = GPT(config).to(dtype).eval()
     cache = model.new_cache()
     with torch.no_grad():
         model(torch.randint(0, 50, (2, 16)), cache=cache)
-    measured = sum(t.numel() * t.element_size() for layer in cache.layers for t in layer.buffers.values())
-    estimate = kv_cache_bytes(n_layers=3, n_kv_heads=config.kv_heads, head_dim=config.head_dim, context_length=16,
-                              dtype=dtype, batch_size=2)
+    measured = sum(t.numel() * t.element_size() for layer in cache.layers for t in layer.buffers)
+    estimate = kv_cache_bytes(n_layers=3, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim, seq_len=16,
+                              dtype=dtype, batch_size=2, sliding_window=window, global_every=3 if window else None)
     assert measured == estimate
 
 
@@ -50,12 +53,12 @@ def test_agrees_with_the_tensors_of_a_filled_cache(attention, n_kv_heads, dtype)
     [
         ({"sliding_window": 0}, ValueError, "sliding_window=0 must be a positive integer"),
         ({"global_every": 6}, ValueError, "global_every=6 needs a sliding_window"),
-        ({"context_length": 0}, ValueError, "context_length=0 must be a positive integer"),
+        ({"seq_len": 0}, ValueError, "seq_len=0 must be a positive integer"),
         ({"dtype": "bfloat16"}, TypeError, "dtype must be a torch.dtype, got 'bfloat16'"),
         ({"n_kv_heads": 2.5}, TypeError, r"n_kv_heads must be an int; got 2.5 \(float\)"),
     ],
 )
 def test_bad_inputs(kwargs, error, match):
-    args = {"n_layers": 2, "n_kv_heads": 2, "head_dim": 8, "context_length": 16, **kwargs}
+    args = {"n_layers": 2, "n_kv_heads": 2, "head_dim": 8, "seq_len": 16, **kwargs}
     with pytest.raises(error, match=match):
         kv_cache_bytes(**args)

@@ -6,8 +6,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import attnlib
-from attnlib import ModernConfig, ModernDecoder, RotaryEmbedding
-from attnlib.rope import interleaved_to_half_split
+from attnlib import Decoder, DecoderConfig, RotaryEmbedding
+from attnlib.models.hf_llama import config_from_hf_decoder
+from attnlib.positional.rotary import interleaved_to_half_split
 
 SIZES = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 3,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-5}
@@ -62,6 +63,32 @@ def test_state_dict_and_config():
         torch.testing.assert_close(ours(idx)[0], hf(idx).logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("family", "change", "field"),
+    [
+        ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}, "rope_base"),
+        ("llama", {"rms_norm_eps": 1e-6}, "norm_eps"),
+        ("llama", {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8}, "n_heads"),  # 8 x 8, not 4 x 16
+        ("mistral", {"sliding_window": 3}, "sliding_window"),
+    ],
+)
+def test_a_config_contradicting_the_model_is_refused(family, change, field):
+    cls, config, load = MODELS["mistral-window" if family == "mistral" else "llama"]
+    torch.manual_seed(0)
+    hf = cls(config).eval()
+    other = type(config)(**{**config.to_dict(), **change})
+    idx = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = hf(idx).logits
+        # Every weight has the shape the other config asks for: loaded with it, the model would run, and differ.
+        wrong = load(hf.state_dict(), config=other).eval()
+        assert not torch.allclose(wrong(idx)[0], expected, atol=1e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match=f"config contradicts the model's own config: .*'{field}'"):
+            load(hf, other)
+        for same in (hf.config, hf.config.to_dict()):  # the model's own config, given again, is accepted
+            torch.testing.assert_close(load(hf, same).eval()(idx)[0], expected, atol=1e-5, rtol=1e-5)
+
+
 def interleaved_rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     """Meta's Llama reference: pairs (x[2i], x[2i+1]) as complex numbers times e^{i m θ_i}."""
     head_dim = x.shape[-1]
@@ -96,9 +123,9 @@ def test_llama3_8b_parameters_on_the_meta_device():
     hf_config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
                             rms_norm_eps=1e-5, rope_theta=500000.0)
-    config = attnlib.hf_decoder.config_from_hf_decoder(hf_config, "llama")
+    config = config_from_hf_decoder(hf_config, "llama")
     with torch.device("meta"):
-        ours, theirs = ModernDecoder(config), LlamaForCausalLM(hf_config)
+        ours, theirs = Decoder(config), LlamaForCausalLM(hf_config)
     d, ff, L, V, kv = 4096, 14336, 32, 128256, 8 * 128
     by_formula = 2 * V * d + L * (2 * d * d + 2 * d * kv + 3 * d * ff + 2 * d) + d
     assert ours.num_parameters() == by_formula == sum(p.numel() for p in theirs.parameters()) == 8_030_261_248
@@ -143,37 +170,38 @@ def test_wrong_family_and_inputs():
         ({"sliding_window": 0}, ValueError, "sliding_window=0 must be a positive integer"),
         ({"rope_scaling": {"rope_type": "ntk"}}, ValueError, "type 'ntk' is not supported"),
         ({"qk_norm": 1}, TypeError, "qk_norm must be a bool; got 1"),
-        ({"attn_fn": "flash"}, ValueError, r"attn_fn='flash' is not one of \['eager', 'sdpa', 'tiled'\]"),
+        ({"attn_fn": "xformers"}, ValueError, r"attn_fn='xformers' is not one of \['eager', 'flash', 'sdpa', 'tiled'\]"),
+        ({"position": "alibi", "attn_fn": "flash"}, ValueError, "attn_fn='flash' cannot modify scores"),
     ],
 )
 def test_bad_config(kwargs, error, match):
     with pytest.raises(error, match=match):
-        ModernConfig(**kwargs)
+        DecoderConfig.llama(**kwargs)
 
 
 @pytest.mark.parametrize("position", ["rope", "alibi", "learned", "nope"])
 @pytest.mark.parametrize("attn_softcap", [None, 5.0])
 def test_positions_and_softcap_cached_equals_uncached(position, attn_softcap):
     torch.manual_seed(0)
-    config = ModernConfig(vocab_size=50, block_size=64, n_layers=2, n_heads=4, d_model=32, position=position,
-                          attn_softcap=attn_softcap)
-    model = ModernDecoder(config).eval()
+    config = DecoderConfig.llama(vocab_size=50, block_size=64, n_layers=2, n_heads=4, d_model=32, position=position,
+                                 attn_softcap=attn_softcap)
+    model = Decoder(config).eval()
     prompt = torch.randint(0, 50, (2, 7))
     assert torch.equal(model.generate(prompt, 30, temperature=0.0), model.generate(prompt, 30, temperature=0.0,
                                                                                      use_cache=False))
     expected_fn = "eager" if position == "alibi" or attn_softcap else "sdpa"
     assert model.blocks[0].attn.attn_fn == expected_fn
     learned = 64 * 32 if position == "learned" else 0
-    base = ModernDecoder(config.replace(position="nope", attn_softcap=None)).num_parameters()
+    base = Decoder(config.replace(position="nope", attn_softcap=None)).num_parameters()
     assert model.num_parameters() == base + learned
 
 
 def test_alibi_layer_equals_sdpa_with_the_bias():
-    from attnlib.mods import alibi_slopes
+    from attnlib.attention.mods import alibi_slopes
 
     torch.manual_seed(0)
-    model = ModernDecoder(ModernConfig(vocab_size=50, block_size=16, n_layers=1, n_heads=4, d_model=32,
-                                       position="alibi")).eval()
+    model = Decoder(DecoderConfig.llama(vocab_size=50, block_size=16, n_layers=1, n_heads=4, d_model=32,
+                                        position="alibi")).eval()
     attn, x = model.blocks[0].attn, torch.randn(2, 9, 32)
     q, k, v = attn.project(x)
     i, j = torch.arange(9)[:, None], torch.arange(9)[None, :]
@@ -186,17 +214,17 @@ def test_alibi_layer_equals_sdpa_with_the_bias():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"position": "sinusoidal"}, ValueError, r"position='sinusoidal' is not one of \('rope', 'alibi'"),
-        ({"attn_softcap": 0.0}, ValueError, "cap must be a finite number > 0, got 0.0"),
+        ({"position": "sinusoidal"}, ValueError, r"position='sinusoidal' is not one of \('learned', 'rope', 'alibi'"),
+        ({"attn_softcap": 0.0}, ValueError, "attn_softcap must be a finite number > 0, got 0.0"),
     ],
 )
 def test_bad_position_settings(kwargs, error, match):
     with pytest.raises(error, match=match):
-        ModernConfig(**kwargs)
+        DecoderConfig.llama(**kwargs)
 
 
 def test_score_mod_needs_a_function_that_can_apply_it():
-    from attnlib.mods import softcap
+    from attnlib.attention.mods import softcap
 
     with pytest.raises(ValueError, match="score_mod needs attn_fn='eager' or 'tiled'"):
         attnlib.MultiHeadAttention(16, 2, score_mod=softcap(5.0))

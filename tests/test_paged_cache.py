@@ -7,19 +7,20 @@ import math
 import pytest
 import torch
 
-from attnlib import GPT, GPTConfig, ModernConfig, ModernDecoder
-from attnlib.serving.batching import cache_memory, request_lengths, serve
-from attnlib.serving.paged import OutOfPages, PageAllocator, PagedKVCache
+from attnlib import GPT, Decoder, DecoderConfig, GPTConfig
+from attnlib.cache import OutOfPages, PageAllocator, PagedKVCache
+from attnlib.serving import cache_memory, request_lengths, serve
 
-VARIANTS = ["mha", "gqa", "mqa", "talking_heads", "mla", "modern", "modern_learned"]
+VARIANTS = ["mha", "gqa", "mqa", "talking_heads", "mla", "modern", "modern_learned", "modern_window"]
 
 
 def build(name, block_size=24):
     torch.manual_seed(0)
     if name.startswith("modern"):
         position = "learned" if name == "modern_learned" else "rope"
-        model = ModernDecoder(ModernConfig(vocab_size=32, block_size=block_size, n_layers=2, n_heads=4, d_model=32,
-                                           n_kv_heads=2, qk_norm=True, position=position))
+        window = 4 if name == "modern_window" else None  # the paged cache keeps every position, the window is a mask
+        model = Decoder(DecoderConfig.llama(vocab_size=32, block_size=block_size, n_layers=2, n_heads=4, d_model=32,
+                                            n_kv_heads=2, qk_norm=True, position=position, sliding_window=window))
     else:
         model = GPT(GPTConfig(vocab_size=32, block_size=block_size, n_layers=2, n_heads=4, d_model=32, attention=name,
                               n_kv_heads=2 if name == "gqa" else None))
@@ -35,7 +36,10 @@ def build(name, block_size=24):
 def test_logits_equal_the_contiguous_cache(name, page_size):
     model = build(name)
     g = torch.Generator().manual_seed(1)
-    reference, paged = model.new_cache(), PagedKVCache.for_model(model, n_pages=64, page_size=page_size)
+    # The contiguous cache of every position, as the paged one keeps (windows=False: a window is then a mask on both;
+    # a ring cache attends over fewer keys, equal up to float32 rounding: tests/test_sliding_window.py).
+    reference = model.new_cache(windows=False)
+    paged = PagedKVCache.for_model(model, n_pages=64, page_size=page_size)
     paged.select([paged.add_sequence(), paged.add_sequence()])
     for T in (5, 1, 1, 3, 1, 1, 1):  # a prefill, decode steps, a chunk
         idx = torch.randint(0, 32, (2, T), generator=g)
@@ -44,7 +48,7 @@ def test_logits_equal_the_contiguous_cache(name, page_size):
     assert paged.allocator.pages_used == 2 * math.ceil(13 / page_size)
 
 
-@pytest.mark.parametrize("name", ["mha", "mla", "modern", "modern_learned"])
+@pytest.mark.parametrize("name", ["mha", "mla", "modern", "modern_learned", "modern_window"])
 @torch.no_grad()
 def test_sequences_of_different_lengths_decode_together_as_alone(name):
     model = build(name)
@@ -100,7 +104,7 @@ def test_slots_of_a_batch_are_each_sequences_pages_right_aligned():
 
 def test_paged_memory_wastes_less_than_a_page_per_request():
     lengths = request_lengths(200, 1024, seed=0)
-    m = cache_memory(lengths, max_len=1024, page_size=16, bytes_per_token=10)
+    m = cache_memory(lengths, block_size=1024, page_size=16, bytes_per_token=10)
     assert m["tokens"] == sum(lengths) and m["contiguous_positions"] == 200 * 1024
     assert m["paged_positions"] == 16 * sum(math.ceil(n / 16) for n in lengths)
     assert m["paged_positions"] - m["tokens"] < 16 * 200
@@ -139,7 +143,7 @@ def test_continuous_batching_waits_for_pages():
         (lambda: PageAllocator(8, 2.0), TypeError, r"page_size must be an int; got 2.0"),
         (lambda: PagedKVCache(2, 16, n_pages=0, page_size=4), ValueError, "n_pages=0 must be a positive integer"),
         (lambda: cache_memory([3], 8, 0), ValueError, "page_size=0 must be a positive integer"),
-        (lambda: cache_memory([9], 8, 2), ValueError, r"lengths must be a non-empty list of ints in \[1, max_len=8\]"),
+        (lambda: cache_memory([9], 8, 2), ValueError, r"lengths must be a non-empty list of ints in \[1, block_size=8\]"),
         (lambda: PagedKVCache(2, 16, 8, 4).select([5]), ValueError, "sequence 5 is not in the cache"),
         (lambda: PagedKVCache(2, 16, 8, 4).reorder(torch.tensor([0])), ValueError, "copy-on-write"),
         (lambda: serve(build("mha"), [[1] * 20], 5), ValueError, r"request 0: prompt of 20 tokens \+ 5 new"),

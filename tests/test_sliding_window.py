@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnlib import GPT, GPTConfig, ModernConfig, ModernDecoder, MultiHeadAttention
+from attnlib import GPT, Decoder, DecoderConfig, GPTConfig, MultiHeadAttention
 from attnlib.cache import KVCache, LayerCache, RingLayerCache
 
 VARIANTS = [("mha", {}), ("gqa", {"n_kv_heads": 2}), ("mqa", {}), ("talking_heads", {}), ("mla", {})]
@@ -35,14 +35,14 @@ def test_the_cache_holds_at_most_the_window(attention, kw):
         sizes = set()
         for t in range(20, 60):
             model(idx[:, t : t + 1], cache=cache)
-            sizes |= {b.shape[-2] for layer in cache.layers for b in layer.buffers.values()}
+            sizes |= {b.shape[-2] for layer in cache.layers for b in layer.buffers}
     assert sizes == {5} and cache.length == 60
 
 
 def test_modern_decoder_long_generation_with_a_flat_cache():
     torch.manual_seed(0)
-    model = ModernDecoder(ModernConfig(vocab_size=50, block_size=256, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32,
-                                       sliding_window=4)).eval()
+    model = Decoder(DecoderConfig.llama(vocab_size=50, block_size=256, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32,
+                                        sliding_window=4)).eval()
     prompt = torch.randint(0, 50, (1, 6))
     cached = model.generate(prompt, 200, temperature=0.0)  # 50 windows long
     assert torch.equal(cached, model.generate(prompt, 200, temperature=0.0, use_cache=False))
@@ -83,30 +83,31 @@ def test_window_changes_what_a_position_sees():
 
 
 def test_ring_cache_against_a_plain_list():
-    ring, kept = RingLayerCache(max_len=100, window=4), []
+    # update returns the w - 1 positions before the new ones (all the first new query may see) and the new ones.
+    ring, kept = RingLayerCache(block_size=100, window=4), []
     for step, T_new in enumerate([3, 1, 5, 1, 1, 2, 6]):
         new = torch.arange(T_new, dtype=torch.float32).view(1, T_new, 1) + 10 * step
-        (got,) = ring.update(k=new)
-        expected = torch.cat([*kept[-4:], *new.unbind(1)]) if kept else new.flatten()
+        (got,) = ring.update(new)
+        expected = torch.cat([*kept[-3:], *new.unbind(1)]) if kept else new.flatten()
         torch.testing.assert_close(got.flatten(), torch.as_tensor(expected).flatten())
+        n = len(kept)
+        assert ring.key_positions.tolist() == list(range(max(0, n - 3), n + T_new))
         kept += list(new.unbind(1))
-        assert ring.buffers["k"].shape[-2] == 4
+        assert ring.buffers[0].shape[-2] == 4 and ring.length == len(kept)
 
 
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
         (lambda: GPTConfig(sliding_window=0), ValueError, "sliding_window=0 must be a positive integer"),
-        (lambda: MultiHeadAttention(16, 2, causal=False, sliding_window=4), ValueError, "needs a causal layer"),
+        (lambda: MultiHeadAttention(16, 2, causal=False, sliding_window=4), ValueError, "sliding_window=4 / chunk_size=None need a causal layer"),
         (lambda: RingLayerCache(10, 0), ValueError, "window=0 must be a positive integer"),
-        (lambda: KVCache(2, 10, windows=[4]), ValueError, r"one window \(or None\) per layer, 2; got 1"),
+        (lambda: gpt(window=4)(torch.zeros(1, 3, dtype=torch.long), cache=KVCache([RingLayerCache(64, 4)])),
+         ValueError, "cache has 1 layers; this model has n_layers=2"),
         (lambda: MultiHeadAttention(16, 2, sliding_window=4)(torch.randn(1, 3, 16), cache=RingLayerCache(10, 2)),
          ValueError, r"a ring cache of window=2 drops keys this layer \(sliding_window=4\) still attends to"),
         (lambda: MultiHeadAttention(16, 2)(torch.randn(1, 3, 16), cache=RingLayerCache(10, 2)),
          ValueError, r"sliding_window=None\) still attends to"),
-        (lambda: MultiHeadAttention(16, 2, sliding_window=2)(torch.randn(1, 3, 16), cache=RingLayerCache(10, 2),
-                                                             key_padding_mask=torch.ones(1, 3, dtype=torch.bool)),
-         ValueError, "masks are not supported with a ring cache"),
     ],
 )
 def test_bad_inputs(call, error, match):
@@ -116,6 +117,24 @@ def test_bad_inputs(call, error, match):
 
 def test_plain_layer_cache_is_unchanged():
     cache = LayerCache(8)
-    (k,) = cache.update(k=torch.ones(1, 3, 2))
-    (k,) = cache.update(k=torch.zeros(1, 2, 2))
-    assert k.shape == (1, 5, 2) and cache.buffers["k"].shape == (1, 8, 2)
+    (k,) = cache.update(torch.ones(1, 3, 2))
+    (k,) = cache.update(torch.zeros(1, 2, 2))
+    assert k.shape == (1, 5, 2) and cache.buffers[0].shape == (1, 8, 2)
+
+
+@pytest.mark.parametrize("T_prefill", [1, 4, 9])
+def test_a_ring_cache_takes_a_padding_mask_and_each_row_gets_what_it_gets_alone(T_prefill):
+    # Row 1 is left-padded by 3: through the ring (window 3), its real tokens' outputs equal the row alone, uncached.
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 2, sliding_window=3).eval()
+    x = torch.randn(2, 12, 16)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, :3] = False
+    cache = RingLayerCache(12, 3)
+    with torch.no_grad():
+        out = [layer(x[:, :T_prefill], cache=cache, attention_mask=mask[:, :T_prefill])]
+        out += [layer(x[:, t : t + 1], cache=cache, attention_mask=mask[:, : t + 1]) for t in range(T_prefill, 12)]
+        out = torch.cat(out, dim=1)
+        torch.testing.assert_close(out[0], layer(x[:1])[0], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(out[1, 3:], layer(x[1:, 3:])[0], atol=1e-6, rtol=1e-5)
+    assert cache.buffers[0].shape[-2] == 3

@@ -6,9 +6,8 @@ end on tiny models. The statistics are printed with -s."""
 import pytest
 import torch
 
-from attnlib import GPT, GPTConfig, ModernConfig, ModernDecoder
-from attnlib.generate import speculative_generate
-from attnlib.speculative import verify_drafts
+from attnlib import GPT, Decoder, DecoderConfig, GPTConfig
+from attnlib.generation import speculative_generate, verify_drafts
 
 ALPHA = 0.01  # the significance level of every chi-square test here
 
@@ -128,8 +127,8 @@ def test_greedy_output_is_the_targets_own(n_draft):
 
 def test_greedy_with_a_modern_target_and_a_gpt_draft():
     torch.manual_seed(0)
-    target = ModernDecoder(ModernConfig(vocab_size=32, block_size=48, n_layers=2, n_heads=4, d_model=32, n_kv_heads=2,
-                                        sliding_window=8)).eval()
+    target = Decoder(DecoderConfig.llama(vocab_size=32, block_size=48, n_layers=2, n_heads=4, d_model=32, n_kv_heads=2,
+                                         sliding_window=8)).eval()
     with torch.no_grad():
         for p in target.parameters():
             p.mul_(4.0)

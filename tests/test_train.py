@@ -4,8 +4,8 @@ import json
 import pytest
 import torch
 
-from attnlib import GPT, GPTConfig
-from attnlib.train import History, TrainConfig, load_checkpoint, main, train
+from attnlib import GPT, DecoderConfig, GPTConfig
+from attnlib.train import History, TrainConfig, load_checkpoint, main, save_checkpoint, train
 
 CONFIG = dict(vocab_size=16, block_size=8, n_layers=1, n_heads=2, d_model=16)
 
@@ -58,6 +58,21 @@ def test_train_config_rejects_bad_values(kwargs, message):
 def test_train_rejects_a_model_without_block_size():
     with pytest.raises(TypeError, match="config.block_size"):
         train(torch.nn.Linear(2, 2), periodic_data(), periodic_data(), TrainConfig(max_iters=1), progress=False)
+
+
+@pytest.mark.parametrize("config", [
+    GPTConfig(**CONFIG),
+    DecoderConfig.llama(**CONFIG, n_kv_heads=1, sliding_window=4, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+], ids=["gpt", "llama-window-scaled-rope"])
+def test_a_checkpoint_rebuilds_the_same_model(tmp_path, config):
+    """The saved config (its derived sizes, layer types and RoPE scaling too) and weights give back the same model."""
+    model = GPT(config).eval()
+    save_checkpoint(tmp_path / "model.pt", model, chars="ab")
+    loaded, extra = load_checkpoint(tmp_path / "model.pt")
+    assert loaded.config == config and extra == {"chars": "ab"}
+    idx = torch.randint(0, 16, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(idx)[0], model(idx)[0])
 
 
 def test_command_line_trains_saves_and_loads(tmp_path, capsys, monkeypatch):
