@@ -212,7 +212,7 @@ def train(
 
 def save_checkpoint(path: str | Path, model: nn.Module, **extra) -> None:
     """Save the model's config and weights (and any JSON-able ``extra``) to ``path``."""
-    torch.save({"config": model.config.to_dict(), "state_dict": model.state_dict(), **extra}, path)
+    torch.save({"config": model.config.to_dict(derived=False), "state_dict": model.state_dict(), **extra}, path)
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu"):

@@ -182,3 +182,17 @@ def test_top_k_and_top_p_filters():
     g = torch.Generator().manual_seed(0)
     draws = torch.cat([sample_next_token(probs.log(), top_p=0.75, generator=g) for _ in range(200)])
     assert set(draws.flatten().tolist()) <= {0, 1}
+
+
+def test_a_config_rebuilt_from_its_given_fields_derives_again():
+    """What a checkpoint stores (``to_dict(derived=False)``) rebuilds the config, whose derived sizes follow a later
+    change; rebuilt from every value in use instead, the old head count would be taken as given and refused."""
+    config = GPTConfig(**{**SMALL, "n_heads": 4})
+    given = config.to_dict(derived=False)
+    assert given["head_dim"] is None and given["n_kv_heads"] is None and given["d_model"] == 16
+    rebuilt = GPTConfig(**given)
+    assert rebuilt == config
+    smaller = rebuilt.replace(n_heads=2)
+    assert (smaller.n_kv_heads, smaller.head_dim) == (2, 8)
+    with pytest.raises(ValueError, match="n_kv_heads=4 contradicts attention='mha'"):
+        GPTConfig(**config.to_dict()).replace(n_heads=2)

@@ -51,14 +51,14 @@ def test_empty_string(words):
 
 
 def test_truncation_keeps_bos_and_eos(words):
-    ids = words.encode("the cat sat on the mat", max_len=4)
+    ids = words.encode("the cat sat on the mat", max_length=4)
     assert ids == [BOS_ID, words.stoi["the"], words.stoi["cat"], EOS_ID]
-    assert words.encode("the cat sat", add_special_tokens=False, max_len=2) == [words.stoi["the"], words.stoi["cat"]]
-    assert len(words.encode("the cat", max_len=10)) == 4
-    with pytest.raises(ValueError, match="max_len=1"):
-        words.encode("the cat", max_len=1)
+    assert words.encode("the cat sat", add_special_tokens=False, max_length=2) == [words.stoi["the"], words.stoi["cat"]]
+    assert len(words.encode("the cat", max_length=10)) == 4
+    with pytest.raises(ValueError, match="max_length=1"):
+        words.encode("the cat", max_length=1)
     with pytest.raises(TypeError):
-        words.encode("the cat", max_len=2.5)
+        words.encode("the cat", max_length=2.5)
 
 
 def test_min_freq_and_max_size():
@@ -90,7 +90,7 @@ def test_pad_batch(words):
     assert mask.sum(1).tolist() == [5, 4, 2]
     assert (ids[~mask] == PAD_ID).all()
     assert ids[1].tolist() == [*batch[1], PAD_ID]
-    ids, mask = words.pad_batch(batch, max_len=3)
+    ids, mask = words.pad_batch(batch, max_length=3)
     assert ids.shape == (3, 3) and mask.sum(1).tolist() == [3, 3, 2]
     with pytest.raises(ValueError, match="empty batch"):
         words.pad_batch([])

@@ -253,9 +253,14 @@ class DecoderConfig:
         """A copy with ``changes``, checked again; derived fields are derived again unless given."""
         return dataclasses.replace(self, **changes)
 
-    def to_dict(self) -> dict:
-        """The fields and their values in use (for results files): ``dataclasses.asdict`` without private state."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+    def to_dict(self, derived: bool = True) -> dict:
+        """The fields and their values in use (for results files): ``dataclasses.asdict`` without private state.
+
+        ``derived=False``: the fields as given, the derived ones ``None``, so that ``DecoderConfig(**d)``
+        rebuilds this config and derives them again on :meth:`replace` (what a checkpoint stores).
+        """
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+        return fields if derived else {k: None if k in self._derived else v for k, v in fields.items()}
 
     # ---------------------------------------------------------------- presets
 

@@ -42,14 +42,14 @@ def _check_text(text: object) -> str:
     return text
 
 
-def _check_max_len(max_len: object, smallest: int) -> int | None:
-    if max_len is None:
+def _check_max_length(max_length: object, smallest: int) -> int | None:
+    if max_length is None:
         return None
-    if isinstance(max_len, bool) or not isinstance(max_len, int):
-        raise TypeError(f"max_len must be an int or None, got {type(max_len).__name__}")
-    if max_len < smallest:
-        raise ValueError(f"max_len={max_len} is too small: it must be at least {smallest}")
-    return max_len
+    if isinstance(max_length, bool) or not isinstance(max_length, int):
+        raise TypeError(f"max_length must be an int or None, got {type(max_length).__name__}")
+    if max_length < smallest:
+        raise ValueError(f"max_length={max_length} is too small: it must be at least {smallest}")
+    return max_length
 
 
 class WordTokenizer:
@@ -126,26 +126,26 @@ class WordTokenizer:
     def __repr__(self) -> str:
         return f"WordTokenizer(vocab_size={self.vocab_size})"
 
-    def encode(self, text: str, add_special_tokens: bool = True, max_len: int | None = None) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
         """Ids of the words of ``text``; unknown words become ``UNK_ID``.
 
         Args:
             text: the text (``""`` gives ``[BOS_ID, EOS_ID]``, or ``[]`` without special tokens).
             add_special_tokens: put ``BOS_ID`` first and ``EOS_ID`` last.
-            max_len: truncate to at most this many ids. The words are cut, BOS and EOS are kept, so
-                with special tokens ``max_len`` must be at least 2.
+            max_length: truncate to at most this many ids. The words are cut, BOS and EOS are kept, so
+                with special tokens ``max_length`` must be at least 2.
 
         Raises:
-            TypeError: ``text`` is not a str, ``max_len`` not an int.
-            ValueError: ``max_len`` is negative (or below 2 with special tokens).
+            TypeError: ``text`` is not a str, ``max_length`` not an int.
+            ValueError: ``max_length`` is negative (or below 2 with special tokens).
         """
-        max_len = _check_max_len(max_len, 2 if add_special_tokens else 0)
+        max_length = _check_max_length(max_length, 2 if add_special_tokens else 0)
         ids = [self.stoi.get(w, UNK_ID) for w in self.split(text)]
         if add_special_tokens:
-            if max_len is not None:
-                ids = ids[: max_len - 2]
+            if max_length is not None:
+                ids = ids[: max_length - 2]
             return [BOS_ID, *ids, EOS_ID]
-        return ids if max_len is None else ids[:max_len]
+        return ids if max_length is None else ids[:max_length]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """The words of ``ids`` joined by single spaces.
@@ -166,12 +166,12 @@ class WordTokenizer:
             words.append(self.itos[i])
         return " ".join(words)
 
-    def pad_batch(self, batch: Sequence[Sequence[int]], max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def pad_batch(self, batch: Sequence[Sequence[int]], max_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-pad sequences of ids into one tensor.
 
         Args:
             batch: B sequences of ids (lists or 1-D tensors), e.g. from :meth:`encode`.
-            max_len: truncate longer sequences to this length (``T <= max_len``); None keeps all.
+            max_length: truncate longer sequences to this length (``T <= max_length``); None keeps all.
 
         Returns:
             ``(ids, attention_mask)``: ``ids`` a LongTensor ``(B, T)`` filled with ``PAD_ID`` after
@@ -180,10 +180,10 @@ class WordTokenizer:
             ``lengths`` argument of ``attnlib.attention.masks.padding_mask``.
 
         Raises:
-            ValueError: the batch is empty, ``max_len`` is negative, or an id is outside the vocabulary (named).
+            ValueError: the batch is empty, ``max_length`` is negative, or an id is outside the vocabulary (named).
             TypeError: an element is not a sequence of ints (a bool/float tensor included).
         """
-        max_len = _check_max_len(max_len, 0)
+        max_length = _check_max_length(max_length, 0)
         if isinstance(batch, torch.Tensor):
             batch = list(batch)
         if len(batch) == 0:
@@ -191,7 +191,7 @@ class WordTokenizer:
         rows = []
         for b, seq in enumerate(batch):
             seq = token_id_list(f"batch[{b}]", seq, self.vocab_size)
-            rows.append(seq[:max_len] if max_len is not None else seq)
+            rows.append(seq[:max_length] if max_length is not None else seq)
         T = max(len(r) for r in rows)
         ids = torch.full((len(rows), T), PAD_ID, dtype=torch.long)
         attention_mask = torch.zeros(len(rows), T, dtype=torch.bool)
