@@ -27,6 +27,7 @@ import tracemalloc
 
 import torch
 
+from attnlib.attention.masks import causal_mask
 from attnlib.book.exercises._ch15_stream import (
     _MATERIALIZED_HINT,
     _LiveTensors,
@@ -36,7 +37,6 @@ from attnlib.book.exercises._ch15_stream import (
     _Stream,
 )
 from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect
-from attnlib.attention.masks import causal_mask
 
 __all__ = ["check_online_softmax_stats", "check_longest_context", "check_causal_tile_kind", "check_merge_partials"]
 
