@@ -33,14 +33,15 @@ def divisible(name: str, value: int, by_name: str, by: int) -> None:
         raise ValueError(f"{name}={value} is not divisible by {by_name}={by}")
 
 
-def float_input(x: object, d_model: int, block_size: int | None = None) -> None:
-    """Raise unless ``x`` is a float tensor of shape ``(..., T, d_model)`` with ``T <= block_size``."""
+def float_input(x: object, d_model: int, block_size: int | None = None, width: str = "d_model") -> None:
+    """Raise unless ``x`` is a float tensor of shape ``(..., T, d_model)`` with ``T <= block_size``
+    (``width``: what the last dimension is called in the message, e.g. ``"head_dim"``)."""
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor of shape (B, T, d_model); got {type(x).__name__}")
+        raise TypeError(f"expected a torch.Tensor of shape (B, T, {width}); got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"expected a floating point input; got dtype {x.dtype}")
     if x.dim() < 2 or x.shape[-1] != d_model:
-        raise ValueError(f"expected input of shape (B, T, d_model={d_model}); got {tuple(x.shape)}")
+        raise ValueError(f"expected input of shape (..., T, {width}={d_model}); got {tuple(x.shape)}")
     if block_size is not None and x.shape[-2] > block_size:
         raise ValueError(f"sequence length T={x.shape[-2]} exceeds block_size={block_size}")
 

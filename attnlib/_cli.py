@@ -39,52 +39,29 @@ def _number(text: str, kind: type) -> int | float:
     return value
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1 (sizes, step counts)."""
-    value = _number(text, int)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer (expected >= 1)")
-    return value
+def _ranged(kind: type, accept, refusal: str, doc: str):
+    """An argparse type: ``text`` as a ``kind`` (int or finite float) that ``accept`` holds for, else ``refusal``."""
+    def parse(text: str):
+        value = _number(text, kind)
+        if not accept(value):
+            raise argparse.ArgumentTypeError(refusal.format(value=value))
+        return value
+
+    parse.__doc__ = doc
+    return parse
 
 
-def nonnegative_int(text: str) -> int:
-    """An integer >= 0 (a number of tokens to sample, a seed)."""
-    value = _number(text, int)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative (expected an integer >= 0)")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """A finite number > 0 (a learning rate)."""
-    value = _number(text, float)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} is not > 0 (expected a finite number > 0)")
-    return value
-
-
-def nonnegative_float(text: str) -> float:
-    """A finite number >= 0 (a sampling temperature: 0 = greedy)."""
-    value = _number(text, float)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative (expected a finite number >= 0)")
-    return value
-
-
-def fraction(text: str) -> float:
-    """A number in [0, 1) (a dropout probability)."""
-    value = _number(text, float)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not in [0, 1)")
-    return value
-
-
-def top_p(text: str) -> float:
-    """A number in (0, 1] (nucleus sampling's probability mass; 1 keeps every token)."""
-    value = _number(text, float)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{value} is not in (0, 1]")
-    return value
+positive_int = _ranged(int, lambda v: v >= 1, "{value} is not a positive integer (expected >= 1)",
+                       "An integer >= 1 (sizes, step counts).")
+nonnegative_int = _ranged(int, lambda v: v >= 0, "{value} is negative (expected an integer >= 0)",
+                          "An integer >= 0 (a number of tokens to sample, a seed).")
+positive_float = _ranged(float, lambda v: v > 0, "{value} is not > 0 (expected a finite number > 0)",
+                         "A finite number > 0 (a learning rate).")
+nonnegative_float = _ranged(float, lambda v: v >= 0, "{value} is negative (expected a finite number >= 0)",
+                            "A finite number >= 0 (a sampling temperature: 0 = greedy).")
+fraction = _ranged(float, lambda v: 0 <= v < 1, "{value} is not in [0, 1)", "A number in [0, 1) (a dropout probability).")
+top_p = _ranged(float, lambda v: 0 < v <= 1, "{value} is not in (0, 1]",
+                "A number in (0, 1] (nucleus sampling's probability mass; 1 keeps every token).")
 
 
 def device(text: str) -> str:

@@ -13,14 +13,20 @@ from attnlib import GPT, GPTConfig, LayerNorm, MultiHeadAttention, RMSNorm, Rota
 from attnlib.attention import (
     MultiHeadLatentAttention,
     TalkingHeadsAttention,
-    TargetAttention,
+    attention,
+    causal_mask,
+    flash_attention,
     get_attention_function,
+    mask_from_mod,
+    padding_mask,
+    sdpa_attention,
     tiled_attention,
 )
+from attnlib.attention.mods import alibi
 from attnlib.cache import KVCache, LayerCache
-from attnlib.functional import attention, causal_mask, mask_from_mod, padding_mask, sdpa_attention
+from attnlib.models import TargetAttention
 
-FUNCTIONS = {"eager": attention, "sdpa": sdpa_attention, "tiled": tiled_attention}
+FUNCTIONS = {"eager": attention, "sdpa": sdpa_attention, "tiled": tiled_attention, "flash": flash_attention}
 
 
 def qkv(B=1, H=2, T_q=8, T_k=8, d=4, n_kv=None, dtype=torch.float32):
@@ -35,7 +41,7 @@ def q_(*shape, **kw):
 Q, K, V = qkv()
 BOOL = dict(dtype=torch.bool)
 
-# ---------------------------------------------------------------- 1. the attention functions (each case x eager, sdpa, tiled)
+# ---------------------------------------------------------------- 1. the attention functions (each case x every function)
 FUNCTION_CASES = {
     "q-a-list": (lambda f: f(Q.tolist(), K, V), TypeError, "q must be a torch.Tensor; got list"),
     "q-int64": (lambda f: f(Q.long(), K, V), TypeError, "q must be a floating point tensor; got dtype torch.int64"),
@@ -85,7 +91,11 @@ OTHER_FUNCTION_CASES = {
     "tiled-tile-size-0": (lambda: tiled_attention(Q, K, V, tile_size=0), ValueError, "tile_size=0 must be a positive integer"),
     "tiled-tile-size-float": (lambda: tiled_attention(Q, K, V, tile_size=2.5), TypeError, "tile_size must be an int; got 2.5"),
     "tiled-dropout": (lambda: tiled_attention(Q, K, V, dropout_p=0.5), ValueError, "dropout_p=0.5 is not supported by tiled_attention"),
-    "registry-unknown": (lambda: get_attention_function("flash"), ValueError, "attn_fn='flash' is not one of ['eager', 'sdpa', 'tiled']"),
+    "flash-score-mod": (lambda: flash_attention(Q, K, V, score_mod=lambda s, *i: s), ValueError, "flash_attention cannot apply a score_mod"),
+    "flash-tile-size-0": (lambda: flash_attention(Q, K, V, tile_size=0), ValueError, "tile_size=0 must be a positive integer"),
+    "flash-tile-size-float": (lambda: flash_attention(Q, K, V, tile_size=2.5), TypeError, "tile_size must be an int; got 2.5"),
+    "flash-dropout": (lambda: flash_attention(Q, K, V, dropout_p=0.5), ValueError, "dropout_p=0.5 is not supported by flash_attention"),
+    "registry-unknown": (lambda: get_attention_function("xformers"), ValueError, "attn_fn='xformers' is not one of ['eager', 'flash', 'sdpa', 'tiled']"),
     "registry-list": (lambda: get_attention_function(["sdpa"]), ValueError, "attn_fn=['sdpa'] is not one of"),
     "causal-mask-negative": (lambda: causal_mask(-1), ValueError, "T_q=-1 must be an integer >= 0"),
     "causal-mask-float": (lambda: causal_mask(2.5), ValueError, "T_q=2.5 must be an integer >= 0"),
@@ -117,9 +127,24 @@ CONSTRUCTOR_CASES = {
     "mha-dropout-nan": (lambda: MultiHeadAttention(16, 4, dropout=float("nan")), ValueError, "dropout=nan must be in [0, 1)"),
     "mha-bias-str": (lambda: MultiHeadAttention(16, 4, bias="yes"), TypeError, "bias must be a bool; got 'yes'"),
     "mha-causal-int": (lambda: MultiHeadAttention(16, 4, causal=1), TypeError, "causal must be a bool; got 1"),
-    "mha-attn-fn-unknown": (lambda: MultiHeadAttention(16, 4, attn_fn="flash"), ValueError, "attn_fn='flash' is not one of ['eager', 'sdpa', 'tiled']"),
+    "mha-attn-fn-unknown": (lambda: MultiHeadAttention(16, 4, attn_fn="xformers"), ValueError, "attn_fn='xformers' is not one of ['eager', 'flash', 'sdpa', 'tiled']"),
     "mha-attn-fn-list": (lambda: MultiHeadAttention(16, 4, attn_fn=["sdpa"]), ValueError, "attn_fn=['sdpa'] is not one of"),
     "mha-kv-sharing-expand": (lambda: MultiHeadAttention(16, 4, kv_sharing="expand"), ValueError, "kv_sharing='expand' is not one of ('fold', 'repeat_interleave')"),
+    "mha-window-and-chunk": (lambda: MultiHeadAttention(16, 4, sliding_window=2, chunk_size=4), ValueError, "sliding_window=2 and chunk_size=4: a layer has one or the other"),
+    "mha-window-not-causal": (lambda: MultiHeadAttention(16, 4, causal=False, sliding_window=2), ValueError, "sliding_window=2 / chunk_size=None need a causal layer (causal=True)"),
+    "mha-chunk-not-causal": (lambda: MultiHeadAttention(16, 4, causal=False, chunk_size=2), ValueError, "sliding_window=None / chunk_size=2 need a causal layer (causal=True)"),
+    "mha-chunk-0": (lambda: MultiHeadAttention(16, 4, chunk_size=0), ValueError, "chunk_size=0 must be a positive integer"),
+    "mha-window-float": (lambda: MultiHeadAttention(16, 4, sliding_window=2.0), TypeError, "sliding_window must be an int; got 2.0"),
+    "mha-tiled-dropout": (lambda: MultiHeadAttention(16, 4, attn_fn="tiled", dropout=0.1), ValueError,
+                          "dropout=0.1 needs attn_fn='eager' or 'sdpa' ('tiled' has no dropout)"),
+    "mha-rope-width": (lambda: MultiHeadAttention(16, 4, rope=RotaryEmbedding(8)), ValueError,
+                       "rope must be a RotaryEmbedding of head_dim=4; got one of head_dim=8"),
+    "mha-rope-other-width": (lambda: MultiHeadAttention(16, 4, rope=RotaryEmbedding(8)), ValueError, "rope must be a RotaryEmbedding of head_dim=4"),
+    "mha-rope-str": (lambda: MultiHeadAttention(16, 4, rope="yes"), ValueError, "rope must be a RotaryEmbedding of head_dim=4; got 'yes'"),
+    "mha-qk-norm-int": (lambda: MultiHeadAttention(16, 4, qk_norm=1), TypeError, "qk_norm must be a bool; got 1"),
+    "mha-score-mod-sdpa": (lambda: MultiHeadAttention(16, 4, score_mod=alibi(4)), ValueError, "score_mod needs attn_fn='eager' or 'tiled' ('sdpa' cannot modify scores)"),
+    "mha-score-mod-flash": (lambda: MultiHeadAttention(16, 4, attn_fn="flash", score_mod=alibi(4)), ValueError, "score_mod needs attn_fn='eager' or 'tiled' ('flash' cannot modify scores)"),
+    "mha-score-mod-int": (lambda: MultiHeadAttention(16, 4, attn_fn="eager", score_mod=3), TypeError, "score_mod must be callable (scores, b, h, q_idx, kv_idx) -> scores; got 3"),
     "talking-heads-zero-heads": (lambda: TalkingHeadsAttention(16, 0), ValueError, "n_heads=0 must be a positive integer"),
     "talking-heads-dropout": (lambda: TalkingHeadsAttention(16, 4, dropout=1.5), ValueError, "dropout=1.5 must be in [0, 1)"),
     "mla-latent-0": (lambda: MultiHeadLatentAttention(16, 4, 0), ValueError, "kv_latent_dim=0 must be a positive integer"),
@@ -158,7 +183,7 @@ FORWARD_CASES = {
     "x-on-meta": (lambda: mha()(X.to("meta")), ValueError, "x is on meta but the module's weights are on cpu"),
     "x-longer-than-block-size": (lambda: mha()(q_(1, 9, 16)), ValueError, "sequence length T=9 (cached 0 + new 9) exceeds block_size=8"),
     "cache-past-block-size": (lambda: (m := mha())(q_(2, 3, 16), cache=filled_cache(m)), ValueError, "sequence length T=9 (cached 6 + new 3) exceeds block_size=8"),
-    "cache-a-kv-cache": (lambda: mha()(X, cache=KVCache(1, 8)), TypeError, "cache must be an attnlib.cache.LayerCache; got KVCache"),
+    "cache-a-kv-cache": (lambda: mha()(X, cache=KVCache([LayerCache(8)])), TypeError, "cache must be a layer cache (attnlib.cache.LayerCache, ...); got KVCache"),
     "x-empty-sequence": (lambda: mha()(q_(2, 0, 16)), ValueError, "x holds no positions and nothing is cached; got shape (2, 0, 16)"),
     "mask-float": (lambda: mha()(X, mask=torch.ones(2, 1, 5, 5)), TypeError, "mask must be a boolean tensor (True = may attend); got torch.float32"),
     "mask-(B,1,T)": (lambda: mha()(X, mask=torch.ones(2, 1, 5, **BOOL)), ValueError, "mask of shape (2, 1, 5) must be 4-D and broadcast to (B, n_heads, T_q, T_k) = (2, 4, 5, 5)"),
@@ -172,10 +197,16 @@ FORWARD_CASES = {
     "context-wrong-width": (lambda: mha(causal=False)(X, q_(2, 4, 12)), ValueError, "context must have shape (B, T, d_model=16); got (2, 4, 12)"),
     "context-float64": (lambda: mha(causal=False)(X, q_(2, 4, 16).double()), TypeError, "context is torch.float64 but the module's weights are torch.float32"),
     "context-empty": (lambda: mha(causal=False)(X, q_(2, 0, 16)), ValueError, "context holds no positions; got shape (2, 0, 16)"),
-    "key-padding-float": (lambda: mha()(X, key_padding_mask=torch.ones(2, 5)), TypeError, "key_padding_mask must be a boolean tensor, True = a real token"),
-    "key-padding-(B,1,1,T)": (lambda: mha()(X, key_padding_mask=torch.ones(2, 1, 1, 5, **BOOL)), ValueError, "key_padding_mask must have shape (B, T_k) = (2, 5); got (2, 1, 1, 5)"),
-    "key-padding-too-long": (lambda: mha()(X, key_padding_mask=torch.ones(2, 6, **BOOL)), ValueError, "key_padding_mask must have shape (B, T_k) = (2, 5); got (2, 6)"),
-    "key-padding-on-meta": (lambda: mha()(X, key_padding_mask=torch.ones(2, 5, dtype=torch.bool, device="meta")), ValueError, "key_padding_mask is on meta but x is on cpu"),
+    "attention-mask-float": (lambda: mha()(X, attention_mask=torch.ones(2, 5)), TypeError, "attention_mask must be a boolean tensor, True = a real token"),
+    "attention-mask-(B,1,1,T)": (lambda: mha()(X, attention_mask=torch.ones(2, 1, 1, 5, **BOOL)), ValueError, "attention_mask must have shape (B, T_k) = (2, 5); got (2, 1, 1, 5)"),
+    "attention-mask-too-long": (lambda: mha()(X, attention_mask=torch.ones(2, 6, **BOOL)), ValueError, "attention_mask must have shape (B, T_k) = (2, 5); got (2, 6)"),
+    "attention-mask-new-tokens-only": (lambda: (m := mha())(q_(2, 1, 16), cache=filled_cache(m), attention_mask=torch.ones(2, 1, **BOOL)), ValueError, "attention_mask must have shape (B, T_k) = (2, 7); got (2, 1)"),
+    "mask-new-keys-only": (lambda: (m := mha())(q_(2, 2, 16), cache=filled_cache(m), mask=torch.ones(2, 1, 2, 2, **BOOL)), ValueError, "mask of shape (2, 1, 2, 2) must be 4-D and broadcast to (B, n_heads, T_q, T_k) = (2, 4, 2, 8)"),
+    "attention-mask-on-meta": (lambda: mha()(X, attention_mask=torch.ones(2, 5, dtype=torch.bool, device="meta")), ValueError, "attention_mask is on meta but x is on cpu"),
+    "positions-float": (lambda: mha(rope=RotaryEmbedding(4))(X, positions=torch.zeros(2, 5)), TypeError, "positions must be an integer tensor (B, T); got torch.float32"),
+    "positions-shape": (lambda: mha(rope=RotaryEmbedding(4))(X, positions=torch.zeros(2, 4, dtype=torch.long)), ValueError, "positions must have shape (B, T) = (2, 5); got (2, 4)"),
+    "positions-negative": (lambda: mha(rope=RotaryEmbedding(4))(X, positions=-torch.ones(2, 5, dtype=torch.long)), ValueError, "positions must be >= 0; got a minimum of -1"),
+    "flash-layer-dropout": (lambda: mha(attn_fn="flash", dropout=0.1), ValueError, "dropout=0.1 needs attn_fn='eager' or 'sdpa' ('flash' has no dropout)"),
     "target-candidate-float64": (lambda: TargetAttention(8)(q_(2, 8).double(), q_(2, 4, 8).double()), TypeError, "candidate is torch.float64 but the module's weights are torch.float32"),
     "target-behaviours-on-meta": (lambda: TargetAttention(8)(q_(2, 8), q_(2, 4, 8, device="meta")), ValueError, "behaviours is on meta but the module's weights are on cpu"),
     "target-mask-shape": (lambda: TargetAttention(8)(q_(2, 8), q_(2, 4, 8), torch.ones(2, 5, **BOOL)), ValueError, "mask must have shape (B, T) = (2, 4); got (2, 5)"),
@@ -203,10 +234,10 @@ CONFIG_CASES = {
     "dropout-nan": (dict(dropout=float("nan")), ValueError, "dropout=nan must be in [0, 1)"),
     "dropout-negative": (dict(dropout=-0.1), ValueError, "dropout=-0.1 must be in [0, 1)"),
     "dropout-str": (dict(dropout="0.1"), TypeError, "dropout must be a float; got '0.1'"),
-    "attention-unknown": (dict(attention="flash"), ValueError, "attention='flash' is not a known variant; choose one of: mha, talking_heads, mqa, gqa, mla"),
-    "attention-none": (dict(attention=None), ValueError, "attention=None is not a known variant"),
+    "attention-unknown": (dict(attention="flash"), ValueError, "attention='flash' is not one of ('mha', 'talking_heads', 'mqa', 'gqa', 'mla')"),
+    "attention-none": (dict(attention=None), ValueError, "attention=None is not one of ('mha', 'talking_heads', 'mqa', 'gqa', 'mla')"),
     "bias-str": (dict(bias="yes"), TypeError, "bias must be a bool; got 'yes'"),
-    "gelu-unknown": (dict(gelu_approximate="fast"), ValueError, "gelu_approximate='fast' must be 'none' or 'tanh'"),
+    "gelu-unknown": (dict(gelu_approximate="fast"), ValueError, "gelu_approximate='fast' is not one of ('none', 'tanh')"),
 }
 
 # ---------------------------------------------------------------- 6. the GPT: token ids, targets, caches
@@ -228,7 +259,8 @@ def filled(model, B=1, T=3):
 
 def out_of_step():
     cache = filled(gpt())
-    cache.layers[1].length = 2  # as if one layer had been fed once less
+    k = cache.layers[0].buffers[0][..., :1, :]
+    cache.layers[0].update(k, k)  # one layer fed once more than the other
     return cache
 
 
@@ -248,23 +280,23 @@ GPT_CASES = {
     "targets-shape": (lambda: gpt()(torch.ones(2, 4, dtype=torch.long), torch.ones(2, 3, dtype=torch.long)), ValueError, "targets must have the shape of idx (2, 4); got (2, 3)"),
     "targets-id-too-large": (lambda: gpt()(ONE, torch.tensor([[20]])), ValueError, "targets holds token id 20"),
     "last-only-with-targets": (lambda: gpt()(ONE, ONE, last_only=True), ValueError, "last_only=True computes no loss"),
-    "config-a-dict": (lambda: GPT(dict(SMALL)), TypeError, "config must be an attnlib.GPTConfig; got dict"),
+    "config-a-dict": (lambda: GPT(dict(SMALL)), TypeError, "config must be an attnlib.DecoderConfig; got dict"),
     "gpt2-size": (lambda: GPTConfig.gpt2("huge"), ValueError, "size='huge' is not one of"),
-    "cache-of-mla-in-mha": (lambda: gpt("mha")(ONE, cache=filled(gpt("mla"))), ValueError, "this cache holds ['c'] (filled by another attention variant?); cannot append ['k', 'v']"),
-    "cache-of-mha-in-mla": (lambda: gpt("mla")(ONE, cache=filled(gpt("mha"))), ValueError, "this cache holds ['k', 'v'] (filled by another attention variant?); cannot append ['c']"),
-    "cache-of-gqa-in-mha": (lambda: gpt("mha")(ONE, cache=filled(gpt("gqa"))), ValueError, "cached 'k' has shape (1, 2, 8, 4); cannot append (1, 4, 1, 4)"),
-    "cache-of-wider-mla": (lambda: gpt("mla", kv_latent_dim=8)(ONE, cache=filled(gpt("mla"))), ValueError, "cached 'c' has shape (1, 8, 4); cannot append (1, 1, 8)"),
-    "cache-of-3-layers": (lambda: gpt()(ONE, cache=KVCache(3, 8)), ValueError, "cache has 3 layers; this model has n_layers=2"),
-    "cache-of-other-length": (lambda: gpt()(ONE, cache=KVCache(2, 9)), ValueError, "cache holds max_len=9 positions; this model's block_size=8"),
-    "cache-layers-out-of-step": (lambda: gpt()(ONE, cache=out_of_step()), ValueError, "the cache's layers hold different numbers of positions [2, 3]"),
-    "cache-of-other-batch": (lambda: gpt()(torch.ones(2, 1, dtype=torch.long), cache=filled(gpt())), ValueError, "cached 'k' has shape (1, 4, 8, 4); cannot append (2, 4, 1, 4)"),
-    "cache-of-other-dtype": (lambda: gpt().double()(ONE, cache=filled(gpt())), ValueError, "cached 'k' is torch.float32 on cpu; cannot append torch.float64 on cpu"),
-    "cache-a-dict": (lambda: gpt()(ONE, cache={}), TypeError, "cache must be an attnlib.cache.KVCache; got dict"),
+    "cache-of-mla-in-mha": (lambda: gpt("mha")(ONE, cache=filled(gpt("mla"))), ValueError, "this cache holds 1 tensors (filled by another attention variant?); cannot append 2"),
+    "cache-of-mha-in-mla": (lambda: gpt("mla")(ONE, cache=filled(gpt("mha"))), ValueError, "this cache holds 2 tensors (filled by another attention variant?); cannot append 1"),
+    "cache-of-gqa-in-mha": (lambda: gpt("mha")(ONE, cache=filled(gpt("gqa"))), ValueError, "cached tensor 0 has shape (1, 2, 8, 4); cannot append (1, 4, 1, 4)"),
+    "cache-of-wider-mla": (lambda: gpt("mla", kv_latent_dim=8)(ONE, cache=filled(gpt("mla"))), ValueError, "cached tensor 0 has shape (1, 8, 4); cannot append (1, 1, 8)"),
+    "cache-of-3-layers": (lambda: gpt()(ONE, cache=KVCache([LayerCache(8) for _ in range(3)])), ValueError, "cache has 3 layers; this model has n_layers=2"),
+    "cache-shorter-than-the-sequence": (lambda: gpt()(torch.ones(1, 5, dtype=torch.long), cache=KVCache([LayerCache(4), LayerCache(4)])), ValueError, "the cache holds 0 positions and block_size=4; cannot add 5 more"),
+    "cache-layers-out-of-step": (lambda: gpt()(ONE, cache=out_of_step()), ValueError, "the cache's layers hold different numbers of positions [3, 4]; reset it"),
+    "cache-of-other-batch": (lambda: gpt()(torch.ones(2, 1, dtype=torch.long), cache=filled(gpt())), ValueError, "cached tensor 0 has shape (1, 4, 8, 4); cannot append (2, 4, 1, 4)"),
+    "cache-of-other-dtype": (lambda: gpt().double()(ONE, cache=filled(gpt())), ValueError, "cached tensor 0 is torch.float32 on cpu; cannot append torch.float64 on cpu"),
+    "cache-a-dict": (lambda: gpt()(ONE, cache={}), TypeError, "cache must be an attnlib.cache.KVCache (model.new_cache()); got dict"),
     "cache-full": (lambda: gpt()(torch.ones(1, 3, dtype=torch.long), cache=filled(gpt(), T=6)), ValueError, "the cache holds 6 tokens; 3 more exceed block_size=8"),
-    "layer-cache-max-len-0": (lambda: LayerCache(0), ValueError, "max_len=0 must be a positive integer"),
-    "kv-cache-no-layers": (lambda: KVCache(0, 8), ValueError, "n_layers=0 must be a positive integer"),
-    "layer-cache-uneven-update": (lambda: LayerCache(8).update(k=q_(1, 1, 4), v=q_(1, 2, 4)), ValueError, "all tensors must add the same number of positions; got [1, 2]"),
-    "layer-cache-a-list": (lambda: LayerCache(8).update(k=[[1.0]]), ValueError, "k must be a tensor (..., T_new, width); got list"),
+    "layer-cache-block-size-0": (lambda: LayerCache(0), ValueError, "block_size=0 must be a positive integer"),
+    "kv-cache-no-layers": (lambda: KVCache([]), TypeError, "layers must hold one per-layer cache per layer; got an empty list"),
+    "layer-cache-uneven-update": (lambda: LayerCache(8).update(q_(1, 1, 4), q_(1, 2, 4)), ValueError, "all tensors must add the same number of positions; got [1, 2]"),
+    "layer-cache-a-list": (lambda: LayerCache(8).update([[1.0]]), ValueError, "tensor 0 must be a tensor (B, ..., T_new, width); got list"),
 }
 
 # ---------------------------------------------------------------- 7. scales and epsilons, RoPE
@@ -281,7 +313,7 @@ NUMBER_CASES = {
         ]
     },
     "RMSNorm-input-a-list": (lambda: RMSNorm(4)([1.0, 2.0, 3.0, 4.0]), TypeError, "got list"),
-    "LayerNorm-wrong-width": (lambda: LayerNorm(8)(q_(2, 7)), ValueError, "(B, T, d_model=8); got (2, 7)"),
+    "LayerNorm-wrong-width": (lambda: LayerNorm(8)(q_(2, 7)), ValueError, "(..., T, d_model=8); got (2, 7)"),
     "rope-base-zero": (lambda: RotaryEmbedding(8, base=0.0), ValueError, "base=0.0 must be a finite number > 1"),
     "rope-base-negative": (lambda: RotaryEmbedding(8, base=-10.0), ValueError, "base=-10.0 must be a finite number > 1"),
     "rope-base-one": (lambda: RotaryEmbedding(8, base=1.0), ValueError, "base=1.0 must be a finite number > 1"),
@@ -289,12 +321,12 @@ NUMBER_CASES = {
     "rope-base-inf": (lambda: RotaryEmbedding(8, base=float("inf")), ValueError, "base=inf must be a finite number > 1"),
     "rope-base-str": (lambda: RotaryEmbedding(8, base="10000"), TypeError, "base must be a float; got '10000'"),
     "rope-head-dim-odd": (lambda: RotaryEmbedding(7), ValueError, "head_dim=7 must be even"),
-    "rope-wrong-width": (lambda: RotaryEmbedding(8).rotate(q_(2, 5, 6)), ValueError, "d_model=8); got (2, 5, 6)"),
+    "rope-wrong-width": (lambda: RotaryEmbedding(8).rotate(q_(2, 5, 6)), ValueError, "(..., T, head_dim=8); got (2, 5, 6)"),
     "rope-positions-length": (lambda: RotaryEmbedding(8).rotate(q_(2, 5, 8), torch.arange(4)), ValueError, "positions must be a tensor whose last dimension is T=5"),
 }
 
 CATEGORIES = {
-    "attention functions (x eager, sdpa, tiled)": FUNCTION_CASES,
+    "attention functions (x eager, sdpa, tiled, flash)": FUNCTION_CASES,
     "one function, mask helpers, registry": OTHER_FUNCTION_CASES,
     "module constructors": CONSTRUCTOR_CASES,
     "module forward": FORWARD_CASES,
@@ -356,12 +388,13 @@ def test_case_counts():
 
 def test_a_refused_cache_update_leaves_the_cache_as_it_was():
     cache = filled(gpt("gqa"))
-    before = {i: (layer.length, {k: b.clone() for k, b in layer.buffers.items()}) for i, layer in enumerate(cache.layers)}
-    with pytest.raises(ValueError, match=re.escape("cached 'k' has shape (1, 2, 8, 4)")):
+    before = {i: (layer.length, [b.clone() for b in layer.buffers]) for i, layer in enumerate(cache.layers)}
+    with pytest.raises(ValueError, match=re.escape("cached tensor 0 has shape (1, 2, 8, 4)")):
         gpt("mha")(ONE, cache=cache)
     for i, layer in enumerate(cache.layers):
         assert layer.length == before[i][0]
-        assert all(torch.equal(layer.buffers[k], b) for k, b in before[i][1].items())
+        assert len(layer.buffers) == len(before[i][1])
+        assert all(torch.equal(buffer, b) for buffer, b in zip(layer.buffers, before[i][1]))
 
 
 # ---------------------------------------------------------------- empty batches and sequences: empty outputs

@@ -27,7 +27,7 @@ from attnlib.bench import (
 )
 from attnlib.bench._layers import ScratchMultiHeadAttention
 from attnlib.bench.cli import main
-from attnlib.config import GPTConfig
+from attnlib.models import GPTConfig
 
 TINY_GPT = GPTConfig(vocab_size=64, block_size=32, n_layers=2, n_heads=4, d_model=32, attention="gqa", n_kv_heads=2)
 LAYER_IDS = {"layer/reference", "layer/mha_sdpa", "layer/mha_eager", "layer/llms_from_scratch", "layer/wrapper",
@@ -111,7 +111,7 @@ def test_kv_cache_rows():
 
 def test_generate_plain_is_greedy_generation_without_a_cache():
     from attnlib.bench.kv_cache import generate_plain
-    from attnlib.model import GPT
+    from attnlib.models import GPT
 
     torch.manual_seed(0)
     model = GPT(TINY_GPT).eval()
@@ -186,25 +186,28 @@ def test_train_rows():
 
 def test_train_rows_with_the_modern_decoder():
     from attnlib.bench.train import modern_config
-    from attnlib.modern import ModernDecoder
+    from attnlib.models import Decoder
 
     config = GPTConfig(vocab_size=16, block_size=8, n_layers=2, n_heads=2, d_model=16)
     rows = train_rows({"a": (config, 2)}, device="cpu", repeats=1, warmup=0, threads=1, modern=True)
     row = rows[0]
     modern = modern_config(config)
-    assert (modern.n_layers, modern.n_heads, modern.kv_heads, modern.d_model) == (2, 2, 2, 16)
-    assert modern.tie_embeddings and not modern.bias
-    assert row["modern_parameters"] == ModernDecoder(modern).num_parameters()
+    assert (modern.n_layers, modern.n_heads, modern.n_kv_heads, modern.d_model) == (2, 2, 2, 16)
+    assert modern.tie_embeddings and not modern.attention_bias and not modern.mlp_bias
+    # chapter 16's modern decoder: RoPE, RMSNorm (eps 1e-6, as the committed bench_modern.json's), SwiGLU 8/3 d_model
+    assert (modern.position, modern.norm, modern.norm_eps, modern.feedforward, modern.d_ff) == ("rope", "rmsnorm", 1e-6,
+                                                                                                "swiglu", 48)
+    assert row["modern_parameters"] == Decoder(modern).num_parameters()
     assert _positive(row["modern_ms"]) and row["modern_ratio"] == pytest.approx(row["modern_ms"] / row["attnlib_ms"])
     assert _positive(row["nope_ms"]) and row["nope_ratio"] == pytest.approx(row["nope_ms"] / row["attnlib_ms"])
     text = format_train(rows)
-    assert "ModernDecoder" in text and "target <= 1.05" in text and "ratio without RoPE" in text
+    assert "Llama decoder" in text and "target <= 1.05" in text and "ratio without RoPE" in text
     assert "modern_ms" not in train_rows({"a": (config, 2)}, device="cpu", repeats=1, warmup=0, threads=1)[0]
 
 
 def test_the_10m_size_has_about_10m_parameters():
     from attnlib.bench import TRAIN_SIZES
-    from attnlib.model import GPT
+    from attnlib.models import GPT
 
     config, _ = TRAIN_SIZES["10M"]
     with torch.device("meta"):
@@ -314,3 +317,52 @@ def test_time_calls_and_format_table():
         time_calls({"a": lambda: None}, repeats=0)
     table = format_table([{"name": "x", "v": 1.5}, {"name": "longer", "v": None}], [("name", "name", "s"), ("v", "value", ".1f")])
     assert table.splitlines() == ["name    value", "------  -----", "x         1.5", "longer      -"]
+
+
+def test_write_json_is_atomic(tmp_path):
+    """A payload that cannot be written leaves the old results file as it was, and no temporary file behind."""
+    from attnlib.bench._common import write_json
+
+    path = tmp_path / "bench_x.json"
+    write_json(path, {"rows": [1]})
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        write_json(path, {"rows": [object()]})
+    assert json.loads(path.read_text()) == {"rows": [1]} and [p.name for p in tmp_path.iterdir()] == ["bench_x.json"]
+    write_json(path, {"rows": [2]})  # replaced in one step
+    assert load_results(path) == {"rows": [2]} and [p.name for p in tmp_path.iterdir()] == ["bench_x.json"]
+
+
+def test_time_after_setup_times_each_call_after_its_own_setup():
+    from attnlib.bench._common import time_after_setup
+
+    state, seen = {}, []
+
+    def setup(name):
+        return lambda: state.__setitem__(name, [])  # a fresh state for every call
+
+    def call(name):
+        def run():
+            seen.append((name, len(state[name])))  # what the call found: always the fresh state
+            state[name].append(1)
+
+        return run
+
+    seconds = time_after_setup({"a": call("a"), "b": call("b")}, {"a": setup("a"), "b": setup("b")}, repeats=3, warmup=1)
+    assert set(seconds) == {"a", "b"} and all(_positive(s) for s in seconds.values())
+    assert seen == [("a", 0), ("b", 0)] + [("a", 0), ("b", 0)] * 3  # warm-up, then rounds that alternate
+    with pytest.raises(ValueError, match=r"setups names \['a'\]; expected one per function \['a', 'b'\]"):
+        time_after_setup({"a": call("a"), "b": call("b")}, {"a": setup("a")})
+    with pytest.raises(ValueError, match="repeats=0 must be a positive int"):
+        time_after_setup({"a": call("a")}, {"a": setup("a")}, repeats=0)
+
+
+def test_cli_train_modern_records_the_llama_configs(tmp_path):
+    payload = main(["train", "--modern", "--small", "--device", "cpu", "--threads", "1", "--out", str(tmp_path / "m.json")])
+    modern = payload["settings"]["modern_configs"]["tiny"]
+    gpt = payload["settings"]["sizes"]["tiny"]["config"]
+    assert (modern["position"], modern["norm"], modern["norm_eps"], modern["feedforward"]) == ("rope", "rmsnorm", 1e-6,
+                                                                                              "swiglu")
+    assert modern["tie_embeddings"] is True and modern["attention_bias"] is False and modern["mlp_bias"] is False
+    assert {k: modern[k] for k in ("vocab_size", "block_size", "n_layers", "n_heads", "d_model")} == \
+        {k: gpt[k] for k in ("vocab_size", "block_size", "n_layers", "n_heads", "d_model")}
+    assert payload["rows"][0]["modern_ratio"] == pytest.approx(payload["summary"]["max_modern_ratio"])

@@ -2,8 +2,8 @@
 import torch
 from torch import nn
 
-from attnlib import MultiHeadAttention
-from attnlib.functional import padding_mask
+from attnlib import ATTENTION_FUNCTIONS, MultiHeadAttention
+from attnlib.attention import padding_mask
 
 ATOL = 1e-5
 
@@ -22,9 +22,9 @@ def test_shapes_with_different_lengths_and_equal_to_torch():
     ref = torch_reference(ours)
     x, context = torch.randn(2, 5, 16), torch.randn(2, 9, 16)
     real = padding_mask([9, 4], 9)  # (B, T_k) True = real
-    for attn_fn in ("sdpa", "eager", "tiled"):
+    for attn_fn in ATTENTION_FUNCTIONS:
         ours.attn_fn = attn_fn
-        y = ours(x, context, key_padding_mask=real)
+        y = ours(x, context, attention_mask=real)
         assert y.shape == (2, 5, 16)
         expected, _ = ref(x, context, context, key_padding_mask=~real, need_weights=False)  # torch: True = ignore
         torch.testing.assert_close(y, expected, atol=ATOL, rtol=0, msg=attn_fn)
@@ -57,5 +57,5 @@ def test_not_causal_every_query_sees_the_whole_context():
 def test_padding_positions_get_no_weight():
     ours = MultiHeadAttention(8, 2, causal=False)
     real = torch.tensor([[True, True, False, False]])
-    _, weights = ours(torch.randn(1, 3, 8), torch.randn(1, 4, 8), key_padding_mask=real, return_weights=True)
+    _, weights = ours(torch.randn(1, 3, 8), torch.randn(1, 4, 8), attention_mask=real, return_weights=True)
     assert torch.equal(weights[..., 2:], torch.zeros_like(weights[..., 2:]))

@@ -11,6 +11,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 
 from attnlib import GPT, GPTConfig
 from attnlib.attention import GatedDeltaNet, gated_delta_rule
+from attnlib.cache import LayerCache, RecurrentState
 
 
 def inputs(T=37, dtype=torch.float32, B=2, h=3, d=8, d_v=6, seed=0):
@@ -79,9 +80,11 @@ def test_state_continues_the_sequence():
 
 def test_gpt_with_gated_deltanet_generates_the_same_with_its_state_as_cache():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=40, block_size=24, n_layers=2, n_heads=2, d_model=16))
+    model = GPT(GPTConfig(vocab_size=40, block_size=24, n_layers=2, n_heads=2, d_model=16,
+                          layer_types=("linear_attention",) * 2, linear_layer="gated_deltanet"))
     for block in model.blocks:
-        block.attn = GatedDeltaNet(16, 2, block_size=24, chunk_size=5)
+        assert isinstance(block.attn, GatedDeltaNet) and block.attn.block_size == 24
+        block.attn.chunk_size = 5  # chunks that do not divide the prompt
     model.eval()
     prompt = torch.randint(0, 40, (2, 7))
     cached = model.generate(prompt, 30, temperature=0.0)
@@ -93,6 +96,20 @@ def test_gpt_with_gated_deltanet_generates_the_same_with_its_state_as_cache():
         step = [model(cached[:, t : t + 1], cache=cache)[0] for t in range(9, 20)]
     assert torch.allclose(torch.cat(step, 1), logits[:, 9:20], atol=1e-5)
     assert cache.layers[0].nbytes() == 2 * model.blocks[0].attn.state_bytes() == 2 * 2 * 8 * 8 * 4
+    assert all(isinstance(layer, RecurrentState) for layer in cache.layers)
+
+
+def test_the_layer_continues_from_its_recurrent_state():
+    """layer(x) ≡ the same sequence fed in pieces through layer.new_cache(block_size) (a RecurrentState)."""
+    layer = GatedDeltaNet(16, 2, block_size=20, chunk_size=3).double()
+    x = torch.randn(2, 20, 16, dtype=torch.float64)
+    with torch.no_grad():
+        whole = layer(x)
+        state = layer.new_cache(20)
+        assert isinstance(state, RecurrentState) and state.read() is None
+        pieces = [layer(x[:, a:b], cache=state) for a, b in ((0, 7), (7, 8), (8, 20))]
+    torch.testing.assert_close(torch.cat(pieces, 1), whole)
+    assert state.length == 20 and state.read()[0].shape == (2, 2, 8, 8)
 
 
 def test_bad_inputs_name_the_value():
@@ -117,6 +134,12 @@ def test_bad_inputs_name_the_value():
         GatedDeltaNet(16, 2)(torch.randn(1, 3, 8))
     with pytest.raises(ValueError, match="sequence length T=9 .* exceeds block_size=8"):
         GatedDeltaNet(16, 2, block_size=8)(torch.randn(1, 9, 16))
+    layer, x = GatedDeltaNet(16, 2), torch.randn(2, 3, 16)
+    for kwargs in ({"attention_mask": torch.ones(2, 3, dtype=torch.bool)}, {"positions": torch.zeros(2, 3, dtype=torch.long)}):
+        with pytest.raises(ValueError, match="a gated DeltaNet layer takes no attention_mask or positions"):
+            layer(x, **kwargs)
+    with pytest.raises(TypeError, match="cache must be an attnlib.cache.RecurrentState .*; got LayerCache"):
+        layer(x, cache=LayerCache(8))
 
 
 def test_the_committed_comparison_holds_every_model_and_seed():

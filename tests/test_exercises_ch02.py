@@ -45,6 +45,18 @@ def attention_delegates_to_sdpa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v)
 
 
+def attention_delegates_to_attnlib(q, k, v):
+    import attnlib.attention
+
+    return attnlib.attention.attention(q, k, v)[0]
+
+
+def attention_delegates_to_attnlib_functions(q, k, v):
+    from attnlib.attention import functions
+
+    return functions.attention(q, k, v)[0]
+
+
 def attention_stub(q, k, v):
     raise NotImplementedError("compute softmax(q k^T / sqrt(head_dim)) v")
 
@@ -62,6 +74,8 @@ def test_attention_reference_is_correct():
         (attention_softmax_after_values, "softmax the scores first"),
         (attention_returns_weights_too, "not a tuple"),
         (attention_delegates_to_sdpa, "by hand"),
+        (attention_delegates_to_attnlib, "by hand"),
+        (attention_delegates_to_attnlib_functions, "by hand"),
         (attention_with_k_T, "k.transpose(-2, -1)"),
     ],
 )
@@ -73,9 +87,12 @@ def test_attention_wrong_answers(answer, hint):
 
 
 def test_attention_grader_restores_sdpa():
-    original = F.scaled_dot_product_attention
+    import attnlib.attention
+    from attnlib.attention import functions
+
+    originals = F.scaled_dot_product_attention, attnlib.attention.attention, functions.attention
     grade("02.1", attention_delegates_to_sdpa)
-    assert F.scaled_dot_product_attention is original
+    assert (F.scaled_dot_product_attention, attnlib.attention.attention, functions.attention) == originals
 
 
 def test_attention_stub_is_not_solved():

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
+from attnlib.attention import causal_mask
 from attnlib.book.exercises import CORRECT, WRONG, grade
-from attnlib.functional import causal_mask
 
 # 03.1 bottom-right causal mask ---------------------------------------------------------------
 

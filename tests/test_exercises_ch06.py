@@ -5,14 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlib.attention import MultiHeadAttention
+from attnlib.attention import MultiHeadAttention, causal_mask
 from attnlib.book.exercises import (
     CORRECT,
     WRONG,
     ch06,  # noqa: F401  (registers the 06.x graders)
     grade,
 )
-from attnlib.functional import causal_mask
 
 
 # ---------------------------------------------------------------- 06.1

@@ -4,11 +4,12 @@ import math
 import pytest
 import torch
 
+import attnlib
 from attnlib import GPT, GPTConfig
-from attnlib.attention import ATTENTION_REGISTRY
+from attnlib.attention import attention
 from attnlib.book.exercises import CORRECT, NOT_SOLVED, WRONG, grade
 from attnlib.cache import KVCache, LayerCache
-from attnlib.functional import attention
+from attnlib.models.layers import ATTENTION_LAYERS, build_attention
 
 
 # ---------------------------------------------------------------- 08.1
@@ -33,10 +34,10 @@ class RingKeepsEverything:
     """A plain growing cache: no eviction."""
 
     def __init__(self, window):
-        self.cache = LayerCache(max_len=64)
+        self.cache = LayerCache(block_size=64)
 
     def update(self, k, v):
-        return self.cache.update(k=k, v=v)
+        return self.cache.update(k, v)
 
 
 class RingWholeBuffer(RingCache):
@@ -182,9 +183,9 @@ def kv_cache_bytes(config, batch_size, context, dtype):
     per_layer = {
         "mha": 2 * config.n_heads * config.head_dim,
         "talking_heads": 2 * config.n_heads * config.head_dim,
-        "gqa": 2 * config.kv_heads * config.head_dim,
+        "gqa": 2 * config.n_kv_heads * config.head_dim,
         "mqa": 2 * config.head_dim,
-        "mla": config.latent_dim,
+        "mla": config.kv_latent_dim,
     }[config.attention]
     return per_layer * config.n_layers * batch_size * context * dtype.itemsize
 
@@ -192,19 +193,38 @@ def kv_cache_bytes(config, batch_size, context, dtype):
 def kv_cache_bytes_n_heads_everywhere(config, batch_size, context, dtype):
     """kv heads = n_heads for every variant."""
     if config.attention == "mla":
-        per_layer = config.latent_dim
+        per_layer = config.kv_latent_dim
     else:
         per_layer = 2 * config.n_heads * config.head_dim
     return per_layer * config.n_layers * batch_size * context * dtype.itemsize
 
 
-def kv_cache_bytes_given_sizes(config, batch_size, context, dtype):
-    """n_kv_heads and kv_latent_dim are None when not given."""
+def kv_cache_bytes_n_kv_heads(config, batch_size, context, dtype):
+    """One formula for every softmax variant: the config resolves n_kv_heads (n_heads for MHA, 1 for MQA)."""
     if config.attention == "mla":
         per_layer = config.kv_latent_dim
     else:
         per_layer = 2 * config.n_kv_heads * config.head_dim
     return per_layer * config.n_layers * batch_size * context * dtype.itemsize
+
+
+def kv_cache_bytes_old_names(config, batch_size, context, dtype):
+    """attnlib 1.x's names of the resolved sizes (config.kv_heads, config.latent_dim)."""
+    per_layer = config.latent_dim if config.attention == "mla" else 2 * config.kv_heads * config.head_dim
+    return per_layer * config.n_layers * batch_size * context * dtype.itemsize
+
+
+def kv_cache_bytes_eager_dict(config, batch_size, context, dtype):
+    """Every variant's bytes in one dict: MLA's entry multiplies kv_latent_dim, None for the others."""
+    size = dtype.itemsize
+    per_layer_bytes = {
+        "mha": 2 * config.n_heads * config.head_dim * size,
+        "talking_heads": 2 * config.n_heads * config.head_dim * size,
+        "gqa": 2 * config.n_kv_heads * config.head_dim * size,
+        "mqa": 2 * config.head_dim * size,
+        "mla": config.kv_latent_dim * size,
+    }[config.attention]
+    return per_layer_bytes * config.n_layers * batch_size * context
 
 
 def kv_cache_bytes_mqa_all_heads(config, batch_size, context, dtype):
@@ -230,9 +250,9 @@ def kv_cache_bytes_no_factor_2(config, batch_size, context, dtype):
 
 
 def kv_cache_bytes_group_size(config, batch_size, context, dtype):
-    """GQA: the group size n_heads // kv_heads where the number of kv heads belongs."""
+    """GQA: the group size n_heads // n_kv_heads where the number of kv heads belongs."""
     if config.attention == "gqa":
-        per_layer = 2 * (config.n_heads // config.kv_heads) * config.head_dim
+        per_layer = 2 * (config.n_heads // config.n_kv_heads) * config.head_dim
         return per_layer * config.n_layers * batch_size * context * dtype.itemsize
     return kv_cache_bytes(config, batch_size, context, dtype)
 
@@ -266,6 +286,18 @@ def kv_cache_bytes_builds_a_model(config, batch_size, context, dtype):
     return per_token * batch_size * context
 
 
+def kv_cache_bytes_library_estimator(config, batch_size, context, dtype):
+    return attnlib.kv_cache_bytes(n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
+                                  seq_len=context, dtype=dtype, batch_size=batch_size)
+
+
+def kv_cache_bytes_cache_estimator(config, batch_size, context, dtype):
+    from attnlib.cache import memory
+
+    return memory.kv_cache_bytes(n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
+                                 seq_len=context, dtype=dtype, batch_size=batch_size)
+
+
 def kv_cache_bytes_tensor(config, batch_size, context, dtype):
     return torch.tensor(kv_cache_bytes(config, batch_size, context, dtype))
 
@@ -277,6 +309,14 @@ def chunked_prefill(model, idx, chunk_size):
     for start in range(0, idx.shape[1], chunk_size):
         logits, _ = model(idx[:, start : start + chunk_size], cache=cache)
         pieces.append(logits)
+    return torch.cat(pieces, dim=1), cache
+
+
+def chunked_prefill_with_step(model, idx, chunk_size):  # the library's decoding step, every position's logits
+    from attnlib.generation import step
+
+    cache = model.new_cache()
+    pieces = [step(model, idx[:, s : s + chunk_size], cache, all_logits=True) for s in range(0, idx.shape[1], chunk_size)]
     return torch.cat(pieces, dim=1), cache
 
 
@@ -321,7 +361,9 @@ REFERENCE = [
     ("08.2", cached_attention),
     ("08.2", cached_attention_sdpa),
     ("08.3", kv_cache_bytes),
+    ("08.3", kv_cache_bytes_n_kv_heads),
     ("08.4", chunked_prefill),
+    ("08.4", chunked_prefill_with_step),
 ]
 
 
@@ -355,7 +397,8 @@ def test_stub_is_not_solved():
         ("08.2", cached_attention_softmax_over_queries, "over the queries' axis"),
         ("08.2", cached_attention_divided_by_head_dim, "divided by head_dim"),
         ("08.3", kv_cache_bytes_n_heads_everywhere, "GQA caches n_kv_heads key/value heads"),
-        ("08.3", kv_cache_bytes_given_sizes, "config.kv_heads and config.latent_dim"),
+        ("08.3", kv_cache_bytes_old_names, "config.n_kv_heads, not config.kv_heads"),
+        ("08.3", kv_cache_bytes_eager_dict, "only MLA caches a latent"),
         ("08.3", kv_cache_bytes_mqa_all_heads, "one key/value head"),
         ("08.3", kv_cache_bytes_float32_always, "bytes per number"),
         ("08.3", kv_cache_bytes_bits, "bits, not bytes"),
@@ -365,9 +408,11 @@ def test_stub_is_not_solved():
         ("08.3", kv_cache_bytes_reserved, "block_size"),
         ("08.3", kv_cache_bytes_mla_twice, "latent once"),
         ("08.3", kv_cache_bytes_tensor, "Python int"),
-        ("08.3", kv_cache_bytes_group_size, "'gqa' 2*kv_heads*head_dim"),
+        ("08.3", kv_cache_bytes_group_size, "'gqa' 2*n_kv_heads*head_dim"),
         ("08.3", kv_cache_bytes_mla_rope_key, "no decoupled RoPE key"),
         ("08.3", kv_cache_bytes_builds_a_model, "do not build a model"),
+        ("08.3", kv_cache_bytes_library_estimator, "attnlib's own estimator"),
+        ("08.3", kv_cache_bytes_cache_estimator, "attnlib's own estimator"),
         ("08.4", chunked_prefill_no_cache, "got no cache"),
         ("08.4", chunked_prefill_cache_per_chunk, "different caches"),
         ("08.4", chunked_prefill_at_once, "more than chunk_size"),
@@ -381,6 +426,16 @@ def test_plausible_mistake_is_wrong(exercise_id, answer, hint):
     assert hint in verdict.detail, str(verdict)
 
 
+def test_kv_cache_bytes_grader_restores_what_it_refuses():
+    from attnlib.cache import memory
+
+    originals = torch.nn.Module.__init__, attnlib.kv_cache_bytes, attnlib.cache.kv_cache_bytes, memory.kv_cache_bytes
+    grade("08.3", kv_cache_bytes_library_estimator)
+    grade("08.3", kv_cache_bytes_builds_a_model)
+    restored = torch.nn.Module.__init__, attnlib.kv_cache_bytes, attnlib.cache.kv_cache_bytes, memory.kv_cache_bytes
+    assert all(a is b for a, b in zip(restored, originals))
+
+
 def test_reference_answers_agree_with_the_library():
     """The references are what attnlib's cache does, not a second opinion."""
     config = GPTConfig(
@@ -388,7 +443,7 @@ def test_reference_answers_agree_with_the_library():
         attention="gqa",
     )
     tokens = torch.randint(0, 11, (3, 5), generator=torch.Generator().manual_seed(0))
-    for name in ATTENTION_REGISTRY:
+    for name in ATTENTION_LAYERS:
         # 08.3: the formula equals the bytes measured on a KVCache after a prefill of 5 tokens
         torch.manual_seed(0)
         sized = {"gqa": dict(n_kv_heads=2), "mla": dict(kv_latent_dim=6)}.get(name, {})
@@ -399,7 +454,7 @@ def test_reference_answers_agree_with_the_library():
         expected = cache.bytes_per_token() * 3 * 5
         assert kv_cache_bytes(model.config, 3, 5, torch.float32) == expected
     # 08.2: the answer is the last rows of a GQA layer's attention over the whole sequence
-    layer = ATTENTION_REGISTRY["gqa"](config).eval()
+    layer = build_attention(config, 0).eval()
     x = torch.randn(2, 6, config.d_model)
     with torch.no_grad():
         q, k, v = layer.project(x)

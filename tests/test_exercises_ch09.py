@@ -6,9 +6,9 @@ import torch
 
 from attnlib.book.exercises import CORRECT, NOT_SOLVED, WRONG, grade
 
-# 09.1 cross-attention weights with a key padding mask ------------------------------------------
+# 09.1 cross-attention weights with an attention mask (True = real key) ----------------------------
 
-def cross_weights(q, k, key_padding_mask=None, *, scale=True, tril=False, mask_axis="keys", fill=float("-inf"),
+def cross_weights(q, k, attention_mask=None, *, scale=True, tril=False, mask_axis="keys", fill=float("-inf"),
                   zero_empty=True, invert=False):
     scores = q @ k.transpose(-2, -1)  # (B, T_q, d) @ (B, d, T_k) -> (B, T_q, T_k)
     if scale:
@@ -16,8 +16,8 @@ def cross_weights(q, k, key_padding_mask=None, *, scale=True, tril=False, mask_a
     allowed = torch.ones_like(scores, dtype=torch.bool)
     if tril:
         allowed = allowed & torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
-    if key_padding_mask is not None:
-        m = ~key_padding_mask if invert else key_padding_mask
+    if attention_mask is not None:
+        m = ~attention_mask if invert else attention_mask
         if mask_axis == "keys":
             allowed = allowed & m[:, None, :]
         else:

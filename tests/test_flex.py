@@ -1,4 +1,4 @@
-"""attnlib.mods are valid FlexAttention functions: through ``flex_attention`` they give attnlib's attention.
+"""attnlib.attention.mods are valid FlexAttention functions: through ``flex_attention`` they give attnlib's attention.
 
 ``torch.nn.attention.flex_attention.flex_attention`` runs here without ``torch.compile``
 (an unfused reference that materialises the scores, traced once per new function by
@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnlib.functional import attention
-from attnlib.masks import mask_from_mod
-from attnlib.mods import alibi, causal, document_mask, sliding_window, softcap
+from attnlib.attention import attention, mask_from_mod
+from attnlib.attention.mods import alibi, causal, chunked, compose, document_mask, sliding_window, softcap
 
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 
@@ -33,7 +32,7 @@ def block_mask(mask_mod, T_q=T, T_k=T):
     return flex.create_block_mask(mask_mod, B, H, T_q, T_k, device="cpu")
 
 
-# (name, FlexAttention's arguments, attnlib.functional.attention's arguments): the same mods in both.
+# (name, FlexAttention's arguments, attnlib.attention.attention's arguments): the same mods in both.
 CASES = {
     "causal": (lambda: dict(block_mask=block_mask(causal)), lambda: dict(is_causal=True)),
     "sliding_window": (lambda: dict(block_mask=block_mask(sliding_window(5))),
@@ -43,6 +42,10 @@ CASES = {
     "softcap": (lambda: dict(score_mod=softcap(2.0)), lambda: dict(score_mod=softcap(2.0))),
     "document": (lambda: dict(block_mask=block_mask(flex.and_masks(causal, document_mask(DOC_IDS)))),
                  lambda: dict(mask=mask_from_mod(document_mask(DOC_IDS), (B, 1, T, T)), is_causal=True)),
+    "chunked": (lambda: dict(block_mask=block_mask(chunked(6))),
+                lambda: dict(mask=mask_from_mod(chunked(6), (1, 1, T, T)))),
+    "alibi+softcap": (lambda: dict(score_mod=compose(alibi(H), softcap(2.0)), block_mask=block_mask(causal)),
+                      lambda: dict(score_mod=compose(alibi(H), softcap(2.0)), is_causal=True)),
     "softcap+window": (lambda: dict(score_mod=softcap(1.5), block_mask=block_mask(sliding_window(7))),
                        lambda: dict(score_mod=softcap(1.5), mask=mask_from_mod(sliding_window(7), (1, 1, T, T)))),
 }
@@ -88,5 +91,5 @@ def test_flex_counts_queries_from_zero_where_attnlib_counts_from_the_end():
 
 def test_block_mask_agrees_with_mask_from_mod():
     # create_block_mask's dense form (create_mask) and attnlib's mask_from_mod call the mod the same way.
-    for mod in (causal, sliding_window(4), document_mask(DOC_IDS)):
+    for mod in (causal, sliding_window(4), chunked(3), document_mask(DOC_IDS)):
         torch.testing.assert_close(flex.create_mask(mod, B, H, T, T, device="cpu"), mask_from_mod(mod, (B, H, T, T)))

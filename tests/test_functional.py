@@ -1,4 +1,5 @@
-"""attnlib.functional and the registry: eager, SDPA and tiled attention against torch's SDPA, masks, score_mod.
+"""attnlib.attention's functions and their registry: eager, SDPA, tiled and flash attention against torch's SDPA,
+masks, score_mod.
 
 The reference everywhere is ``torch.nn.functional.scaled_dot_product_attention`` on K/V heads
 copied per query head (``repeat_interleave``), with masks built here by hand; rows with
@@ -13,11 +14,26 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnlib.attention import ATTENTION_FUNCTIONS, get_attention_function, tiled_attention
-from attnlib.functional import attention, causal_mask, mask_from_mod, masked_softmax, padding_mask, sdpa_attention
+from attnlib.attention import (
+    ATTENTION_FUNCTIONS,
+    attention,
+    causal_mask,
+    flash_attention,
+    get_attention_function,
+    mask_from_mod,
+    masked_softmax,
+    padding_mask,
+    sdpa_attention,
+    tiled_attention,
+)
 
 ATOL = 1e-5
-FUNCTIONS = {"eager": attention, "sdpa": sdpa_attention, "tiled": lambda *a, **kw: tiled_attention(*a, tile_size=3, **kw)}
+FUNCTIONS = {  # small tiles, so that every test crosses several of them
+    "eager": attention,
+    "sdpa": sdpa_attention,
+    "tiled": lambda *a, **kw: tiled_attention(*a, tile_size=3, **kw),
+    "flash": lambda *a, **kw: flash_attention(*a, tile_size=3, **kw),
+}
 
 
 def reference(q, k, v, mask=None, is_causal=False, scale=None):
@@ -64,7 +80,7 @@ def make_mask(kind, g, B, H, T_q, T_k):
     seed=st.integers(0, 2**16),
 )
 def test_every_function_equals_sdpa(B, n_kv_heads, group, T_q, extra_keys, head_dim, mask_kind, is_causal, scale, seed):
-    """eager == sdpa == tiled == torch SDPA, for MHA and GQA, every mask kind, fully masked rows included."""
+    """eager == sdpa == tiled == flash == torch SDPA, for MHA and GQA, every mask kind, fully masked rows included."""
     g = torch.Generator().manual_seed(seed)
     H, T_k = n_kv_heads * group, T_q + extra_keys
     q = torch.randn(B, H, T_q, head_dim, generator=g)
@@ -229,15 +245,17 @@ def test_padding_mask_is_true_for_real_tokens():
 
 
 def test_registry():
-    assert set(ATTENTION_FUNCTIONS) == {"eager", "sdpa", "tiled"}
+    assert set(ATTENTION_FUNCTIONS) == {"eager", "sdpa", "tiled", "flash"}
     assert get_attention_function("eager") is attention and get_attention_function("sdpa") is sdpa_attention
-    assert get_attention_function("tiled") is tiled_attention
+    assert get_attention_function("tiled") is tiled_attention and get_attention_function("flash") is flash_attention
+    with pytest.raises(ValueError, match=r"attn_fn='xformers' is not one of \['eager', 'flash', 'sdpa', 'tiled'\]"):
+        get_attention_function("xformers")
 
 
 @pytest.mark.parametrize("magnitude", [30.0, 300.0])
 @pytest.mark.parametrize("n_kv_heads", [1, 4], ids=["mqa", "mha"])
 def test_eager_stays_finite_where_sdpa_does_in_float16(magnitude, n_kv_heads):
-    """Large activations in float16 (q, k ~ 300, head_dim 64): SDPA stays finite, and so must eager and tiled.
+    """Large activations in float16 (q, k ~ 300, head_dim 64): SDPA stays finite, and so must eager, tiled and flash.
 
     Scores q·k / 8 reach ~1e5, past float16's 65504: SDPA's kernels accumulate in float32.
     """

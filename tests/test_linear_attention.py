@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from attnlib import GPT, GPTConfig
 from attnlib.attention import FEATURE_MAPS, LinearAttention, linear_attention
+from attnlib.cache import LayerCache
 
 
 def qkv(T=37, dtype=torch.float32, B=2, h=3, d=8, d_v=5):
@@ -83,9 +84,11 @@ def test_state_is_flat_while_a_kv_cache_grows():
 @pytest.mark.parametrize("mode", ["parallel", "recurrent", "chunked"])
 def test_gpt_with_linear_attention_generates_the_same_with_its_state_as_cache(mode):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=40, block_size=24, n_layers=2, n_heads=2, d_model=16))
+    model = GPT(GPTConfig(vocab_size=40, block_size=24, n_layers=2, n_heads=2, d_model=16,
+                          layer_types=("linear_attention",) * 2, linear_layer="linear"))
     for block in model.blocks:
-        block.attn = LinearAttention(16, 2, block_size=24, mode=mode, chunk_size=5)
+        assert isinstance(block.attn, LinearAttention) and block.attn.block_size == 24
+        block.attn.mode, block.attn.chunk_size = mode, 5
     model.eval()
     prompt = torch.randint(0, 40, (2, 7))
     cached = model.generate(prompt, 30, temperature=0.0)  # past block_size: the window slides
@@ -141,4 +144,9 @@ def test_bad_inputs_name_the_value():
         LinearAttention(16, 3)
     with pytest.raises(ValueError, match="return_weights=True"):
         LinearAttention(16, 2)(torch.randn(1, 3, 16), return_weights=True)
+    for kwargs in ({"attention_mask": torch.ones(1, 3, dtype=torch.bool)}, {"positions": torch.zeros(1, 3, dtype=torch.long)}):
+        with pytest.raises(ValueError, match="a linear attention layer takes no attention_mask or positions"):
+            LinearAttention(16, 2)(torch.randn(1, 3, 16), **kwargs)
+    with pytest.raises(TypeError, match="cache must be an attnlib.cache.RecurrentState .*; got LayerCache"):
+        LinearAttention(16, 2)(torch.randn(1, 3, 16), cache=LayerCache(8))
     assert math.isfinite(linear_attention(q, k, v).sum().item())

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from attnlib.norms import LayerNorm, RMSNorm
+from attnlib.layers.norms import LayerNorm, RMSNorm
 
 
 @pytest.mark.parametrize("eps", [1e-6, 1e-2])
@@ -57,7 +57,7 @@ def test_eps_must_be_finite_and_positive(norm, eps, error, message):
 
 
 def test_norm_errors():
-    with pytest.raises(ValueError, match=re.escape("(B, T, d_model=8); got (2, 7)")):
+    with pytest.raises(ValueError, match=re.escape("(..., T, d_model=8); got (2, 7)")):
         LayerNorm(8)(torch.randn(2, 7))
     with pytest.raises(TypeError, match=re.escape("d must be an int; got 0.5")):
         RMSNorm(0.5)

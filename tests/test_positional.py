@@ -5,6 +5,7 @@ import re
 import pytest
 import torch
 
+from attnlib.attention import MultiHeadAttention
 from attnlib.positional import (
     LearnedPositionalEmbedding,
     RotaryEmbedding,
@@ -25,13 +26,13 @@ def test_sinusoidal_formula_values():
 
 
 def test_sinusoidal_module_adds_table_and_checks_length():
-    layer = SinusoidalPositionalEncoding(8, max_len=10)
+    layer = SinusoidalPositionalEncoding(8, block_size=10)
     x = torch.randn(2, 6, 8)
     torch.testing.assert_close(layer(x), x + sinusoidal_encoding(6, 8))
     assert len(list(layer.parameters())) == 0
-    with pytest.raises(ValueError, match="block_size|exceeds"):
+    with pytest.raises(ValueError, match=re.escape("sequence length T=11 exceeds block_size=10")):
         layer(torch.randn(1, 11, 8))
-    with pytest.raises(ValueError, match="even"):
+    with pytest.raises(ValueError, match=re.escape("d_model=7 must be even")):
         sinusoidal_encoding(4, 7)
 
 
@@ -39,7 +40,7 @@ def test_learned_embedding():
     layer = LearnedPositionalEmbedding(10, 8)
     x = torch.zeros(3, 4, 8)
     torch.testing.assert_close(layer(x), layer.weight.weight[:4].expand(3, 4, 8))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=re.escape("sequence length T=11 exceeds block_size=10")):
         layer(torch.zeros(1, 11, 8))
 
 
@@ -73,12 +74,12 @@ def test_rope_is_a_rotation_and_half_split():
 
 
 def test_rope_errors():
-    with pytest.raises(ValueError, match="even"):
+    with pytest.raises(ValueError, match=re.escape("head_dim=7 must be even")):
         RotaryEmbedding(7)
     rope = RotaryEmbedding(8)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=re.escape("got (2, 5, 6)")):
         rope.rotate(torch.randn(2, 5, 6))
-    with pytest.raises(ValueError, match="positions"):
+    with pytest.raises(ValueError, match=re.escape("positions must be a tensor whose last dimension is T=5; got shape (4,)")):
         rope.rotate(torch.randn(2, 5, 8), torch.arange(4))
 
 
@@ -158,3 +159,35 @@ def test_rope_backward_gives_autograds_bits_and_second_derivatives():
     rope8 = RotaryEmbedding(8)
     assert torch.autograd.gradcheck(lambda t: rope8.rotate(t, torch.arange(2, 5)), (x64,))
     assert torch.autograd.gradgradcheck(lambda t: rope8.rotate(t, torch.arange(2, 5)), (x64,))
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "rope+qk_norm"])
+def test_multi_head_attention_with_rope_equals_rotated_queries_and_keys_in_sdpa(qk_norm):
+    """MultiHeadAttention(rope=RotaryEmbedding(head_dim)): queries and keys (RMS-normed first with qk_norm, as
+    Qwen3) rotated by their positions (the complex-number reference above), then causal SDPA; per-row positions
+    (B, T) rotate each row by its own."""
+    torch.manual_seed(0)
+    H, G, d = 4, 2, 8
+    layer = MultiHeadAttention(32, H, G, rope=RotaryEmbedding(d), qk_norm=qk_norm, bias=False).double()
+    if qk_norm:
+        with torch.no_grad():
+            layer.q_norm.weight.copy_(torch.rand(d) + 0.5)
+            layer.k_norm.weight.copy_(torch.rand(d) + 0.5)
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]])
+    q, k, v = layer.qkv(x).split([H * d, G * d, G * d], dim=-1)
+    q, k, v = (t.view(2, 6, -1, d).transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
+    if qk_norm:
+        rms = torch.nn.RMSNorm(d, eps=1e-6, dtype=torch.float64)
+        q = rms(q) * layer.q_norm.weight
+        k = rms(k) * layer.k_norm.weight
+    for pos in (None, positions):
+        at = torch.arange(6) if pos is None else pos[:, None]
+        q_rot, k_rot = _rope_reference(q, at), _rope_reference(k, at)
+        y = torch.nn.functional.scaled_dot_product_attention(q_rot, k_rot, v, is_causal=True, enable_gqa=True)
+        expected = layer.out_proj(y.transpose(1, 2).reshape(2, 6, H * d))
+        with torch.no_grad():
+            # the angles are float32 (as in transformers): 1e-6, as for the rotation above
+            torch.testing.assert_close(layer(x, positions=pos), expected.detach(), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=re.escape("rope must be a RotaryEmbedding of head_dim=8")):
+        MultiHeadAttention(32, H, G, rope=RotaryEmbedding(16))

@@ -1,4 +1,4 @@
-"""attnlib.rope.rope_frequencies against transformers' own RoPE initialisation (1e-6)."""
+"""attnlib.positional.scaling.rope_frequencies against transformers' own RoPE initialisation (1e-6)."""
 from __future__ import annotations
 
 import pytest

@@ -102,8 +102,8 @@ def test_gated_attention_without_gate_or_with_an_open_gate_is_multi_head_attenti
     for kind in ("elementwise", "headwise"):
         gated = GatedAttention(32, 4, gate=kind)
         gated.load_state_dict(mha.state_dict(), strict=False)
-        torch.nn.init.zeros_(gated.gate.weight)
-        torch.nn.init.constant_(gated.gate.bias, 40.0)  # σ(40) = 1 in float32
+        torch.nn.init.zeros_(gated.gate_proj.weight)
+        torch.nn.init.constant_(gated.gate_proj.bias, 40.0)  # σ(40) = 1 in float32
         assert torch.allclose(gated(x), mha(x), atol=1e-6)
 
 
@@ -113,7 +113,7 @@ def test_gated_attention_equals_sdpa_times_sigmoid_gate(kind):
     x = torch.randn(2, 9, 32)
     q, k, v = layer.qkv(x).view(2, 9, 3, 4, 8).permute(2, 0, 3, 1, 4)  # (3, B, h, T, hd)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)  # (B, T, h, hd)
-    gate = torch.sigmoid(layer.gate(x)).view(2, 9, 4, -1)  # (B, T, h, hd or 1)
+    gate = torch.sigmoid(layer.gate_proj(x)).view(2, 9, 4, -1)  # (B, T, h, hd or 1)
     expected = layer.out_proj((y * gate).reshape(2, 9, 32))
     assert torch.allclose(layer(x), expected, atol=1e-6)
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from attnlib.attention import TargetAttention
+from attnlib.models import TargetAttention
 
 MODES = ["din", "softmax"]
 

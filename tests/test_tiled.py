@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnlib.attention.tiled import online_softmax, online_softmax_update, tiled_attention
+from attnlib.attention.tiled import fold_groups, online_softmax, online_softmax_update, tiled_attention, tiled_forward
 
 ATOL = 1e-5
 
@@ -132,3 +132,70 @@ def test_online_softmax_fully_masked_row_is_zero_and_update_keeps_no_nan():
         online_softmax(x, 0)
     with pytest.raises(TypeError, match=re.escape("x must be a floating point tensor; got Tensor torch.int64")):
         online_softmax(x.long(), 2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    T_q=st.integers(1, 6),
+    n=st.integers(1, 30),
+    d_v=st.integers(1, 5),
+    tile_size=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+)
+def test_online_softmax_update_with_values_is_softmax_times_v_block_by_block(T_q, n, d_v, tile_size, seed):
+    """After each block, acc / denom = softmax(x[:, :seen]) @ v[:seen], m is the running max and denom the
+    sum of exp(x - m) (in float64, against torch.softmax); a row of only -inf so far has m = -inf, denom = 0,
+    acc = 0, and nothing is ever NaN."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, T_q, n, generator=g, dtype=torch.float64) * 20
+    x[0, 0] = float("-inf")  # a row that never sees a score
+    x[1, :, : n // 2] = float("-inf")  # leading masked blocks: rows that start with only -inf
+    x[1, -1, torch.rand(n, generator=g) < 0.3] = float("-inf")  # scattered -inf
+    v = torch.randn(2, n, d_v, generator=g, dtype=torch.float64)
+    m = torch.full((2, T_q, 1), float("-inf"), dtype=torch.float64)
+    denom, acc = torch.zeros(2, T_q, 1, dtype=torch.float64), torch.zeros(2, T_q, d_v, dtype=torch.float64)
+    for stop in range(tile_size, n + tile_size, tile_size):
+        start, stop = stop - tile_size, min(stop, n)
+        m, denom, acc = online_softmax_update(m, denom, x[..., start:stop], v[:, start:stop], acc)
+        seen = x[..., :stop]
+        assert not (m.isnan().any() or denom.isnan().any() or acc.isnan().any())
+        assert torch.equal(m, seen.amax(dim=-1, keepdim=True))
+        empty = torch.isneginf(seen).all(dim=-1)  # (2, T_q): rows with nothing to weigh yet
+        assert torch.equal(denom[empty], torch.zeros_like(denom[empty]))
+        assert torch.equal(acc[empty], torch.zeros_like(acc[empty]))
+        rows = ~empty
+        torch.testing.assert_close(denom[rows].squeeze(-1), torch.exp(seen - m).sum(-1)[rows])
+        expected = torch.softmax(seen, dim=-1) @ v[:, :stop]  # (2, T_q, stop) @ (2, stop, d_v)
+        torch.testing.assert_close((acc / denom.clamp(min=1e-300))[rows], expected[rows])
+    assert torch.equal(acc[0, 0], torch.zeros(d_v, dtype=torch.float64))
+
+
+def test_online_softmax_update_with_values_keeps_the_two_result_form_without_them():
+    x, v = torch.randn(3, 8), torch.randn(8, 2)
+    m, denom = torch.full((3, 1), float("-inf")), torch.zeros(3, 1)
+    assert len(online_softmax_update(m, denom, x)) == 2
+    m2, denom2, acc = online_softmax_update(m, denom, x, v, torch.zeros(3, 2))
+    m1, denom1 = online_softmax_update(m, denom, x)
+    assert torch.equal(m1, m2) and torch.equal(denom1, denom2)
+    torch.testing.assert_close(acc / denom2, torch.softmax(x, -1) @ v)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_tiled_forward_returns_the_log_sum_exp_of_each_row(is_causal):
+    """The loop tiled and flash attention share: its O is softmax(S) V and its L is logsumexp(S) per row
+    (+inf for a row that may see no key, whose output is 0)."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = _qkv(g, (2, 4), 9, 13, 8, head_dim_v=3, dtype=torch.float64)
+    k, v = k[:, :2], v[:, :2]  # two K/V heads for four query heads
+    mask = torch.rand(2, 4, 9, 13, generator=g) < 0.7
+    mask[0, 1, 2] = False
+    scale = 0.4
+    out, lse = tiled_forward(*fold_groups(q, k, v, mask), is_causal, scale, 4)
+    full = mask & torch.ones(9, 13, dtype=torch.bool).tril(4) if is_causal else mask
+    scores = (q @ k.repeat_interleave(2, 1).transpose(-2, -1) * scale).masked_fill(~full, float("-inf"))
+    empty = ~full.any(-1)
+    expected_lse = torch.logsumexp(scores, dim=-1).masked_fill(empty, float("inf"))
+    torch.testing.assert_close(lse.reshape(2, 4, 9), expected_lse)
+    expected = (torch.softmax(scores.masked_fill(empty[..., None], 0.0), -1) @ v.repeat_interleave(2, 1))
+    torch.testing.assert_close(out.reshape(2, 4, 9, 3), expected.masked_fill(empty[..., None], 0.0))
+    assert torch.isinf(lse.reshape(2, 4, 9)[0, 1, 2])

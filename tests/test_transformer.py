@@ -3,14 +3,14 @@ import pytest
 import torch
 from torch import nn
 
-from attnlib.transformer import DecoderLayer, EncoderLayer, FeedForward, Transformer
+from attnlib.models.transformer import DecoderLayer, EncoderLayer, FeedForward, Transformer
 
 PAD, BOS, EOS = 0, 1, 2
 
 
 def make_model(norm_first=True, **kw):
     torch.manual_seed(0)
-    return Transformer(20, 17, d_model=32, n_heads=4, n_layers=2, max_len=24, norm_first=norm_first, **kw).eval()
+    return Transformer(20, 17, d_model=32, n_heads=4, n_layers=2, block_size=24, norm_first=norm_first, **kw).eval()
 
 
 @pytest.mark.parametrize("norm_first", [True, False])
@@ -126,18 +126,21 @@ def test_layers_and_feedforward():
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="divisible"):
+    with pytest.raises(ValueError, match="d_model=30 is not divisible by n_heads=4"):
         Transformer(10, 10, d_model=30, n_heads=4)
-    with pytest.raises(ValueError, match="pad_id"):
+    with pytest.raises(ValueError, match="pad_id=10 must be an id in both vocabularies"):
         Transformer(10, 10, pad_id=10)
     model = make_model()
-    with pytest.raises(ValueError, match="max_len"):
+    assert model.block_size == 24
+    with pytest.raises(ValueError, match="src has length 30 > block_size=24"):
         model(torch.randint(3, 20, (1, 30)), torch.randint(3, 17, (1, 3)))
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match="tgt_in has length 30 > block_size=24"):
+        model(torch.randint(3, 20, (1, 5)), torch.randint(3, 17, (1, 30)))
+    with pytest.raises(ValueError, match=r"tgt_in holds token id 17, outside the vocabulary \[0, 17\)"):
         model(torch.randint(3, 20, (1, 5)), torch.full((1, 3), 17))
     with pytest.raises(ValueError, match="one source"):
         model.beam_decode(torch.randint(3, 20, (2, 5)))
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="src must hold integer token ids"):
         model(torch.randn(1, 5), torch.randint(3, 17, (1, 3)))
 
 

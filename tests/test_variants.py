@@ -1,5 +1,5 @@
-"""Talking heads, MQA/GQA and MLA against independent references: torch's nn.MultiheadAttention and
-the papers' formulas written out with explicit loops. Causality of every registry entry (alone and
+"""Talking heads, MQA/GQA, chunked attention and MLA against independent references: torch's
+nn.MultiheadAttention and the papers' formulas written out with explicit loops. Causality of every registry entry (alone and
 inside the GPT) is tested in test_modules.py and test_gpt.py; bad inputs in test_bad_inputs.py.
 """
 import math
@@ -11,14 +11,17 @@ from torch.utils._python_dispatch import TorchDispatchMode  # private, but stabl
 
 from attnlib import GPT, GPTConfig, MultiHeadAttention
 from attnlib.attention import (
-    ATTENTION_REGISTRY,
+    ATTENTION_FUNCTIONS,
     KV_SHARING,
     BiasedTalkingHeadsAttention,
     MultiHeadLatentAttention,
     TalkingHeadsAttention,
-    build_attention,
+    mask_from_mod,
+    padding_mask,
 )
-from attnlib.functional import padding_mask
+from attnlib.attention.mods import chunked
+from attnlib.cache import ChunkedLayerCache, LayerCache
+from attnlib.models.layers import ATTENTION_LAYERS, build_attention
 
 ATOL = 1e-5
 
@@ -37,8 +40,8 @@ def config_for(name, **sizes):
 
 
 def test_registry_has_every_variant():
-    assert set(ATTENTION_REGISTRY) == {"mha", "talking_heads", "mqa", "gqa", "mla"}
-    for name in ATTENTION_REGISTRY:
+    assert set(ATTENTION_LAYERS) == {"mha", "talking_heads", "mqa", "gqa", "mla"}
+    for name in ATTENTION_LAYERS:
         model = GPT(config_for(name))
         assert model(torch.randint(0, 11, (2, 8)))[0].shape == (2, 8, 11)
 
@@ -127,7 +130,7 @@ def test_talking_heads_mixes_heads_and_stays_finite_on_empty_rows():
         th.mix_weights.copy_(torch.randn(4, 4))
     x = torch.randn(2, 6, 32, requires_grad=True)
     real = padding_mask(torch.tensor([0, 4]), 6)  # sequence 0 has no keys at all
-    y, weights = th(x, key_padding_mask=real, return_weights=True)
+    y, weights = th(x, attention_mask=real, return_weights=True)
     assert torch.isfinite(y).all() and torch.isfinite(weights).all()
     y.sum().backward()
     assert torch.isfinite(x.grad).all() and torch.isfinite(th.mix_logits.grad).all()
@@ -137,13 +140,14 @@ def test_talking_heads_mixes_heads_and_stays_finite_on_empty_rows():
 
 
 # ---------------------------------------------------------------- MHA / GQA / MQA
-def grouped_by_hand(layer, x, real=None):
+def grouped_by_hand(layer, x, real=None, visible=None):
     """Causal grouped-query attention (Ainslie et al. 2023), one query head at a time: query head h
-    reads key/value head h // (n_heads / n_kv_heads); the rows of qkv are [W_q; W_k; W_v]."""
+    reads key/value head h // (n_heads / n_kv_heads); the rows of qkv are [W_q; W_k; W_v]. ``visible``:
+    a (T, T) or (B, T, T) mask to use instead of the causal one."""
     H, G, d = layer.n_heads, layer.n_kv_heads, layer.head_dim
     q, k, v = layer.qkv(x).split([H * d, G * d, G * d], dim=-1)
     T = x.shape[1]
-    visible = torch.ones(T, T, dtype=torch.bool).tril()
+    visible = torch.ones(T, T, dtype=torch.bool).tril() if visible is None else visible
     if real is not None:
         visible = visible & real[:, None, :]  # (B, T, T)
     heads = []
@@ -151,12 +155,13 @@ def grouped_by_hand(layer, x, real=None):
         g = h // (H // G)
         qh, kh, vh = q[..., h * d : (h + 1) * d], k[..., g * d : (g + 1) * d], v[..., g * d : (g + 1) * d]
         scores = (qh @ kh.transpose(-1, -2) / math.sqrt(d)).masked_fill(~visible, float("-inf"))
-        heads.append(torch.softmax(scores, -1) @ vh)
+        weights = torch.softmax(scores.masked_fill(~visible.any(-1, keepdim=True), 0.0), -1) * visible  # empty rows: 0
+        heads.append(weights @ vh)
     return layer.out_proj(torch.cat(heads, dim=-1))
 
 
 @pytest.mark.parametrize("kv_sharing", KV_SHARING)
-@pytest.mark.parametrize("attn_fn", ["sdpa", "eager", "tiled"])
+@pytest.mark.parametrize("attn_fn", list(ATTENTION_FUNCTIONS))
 def test_gqa_with_as_many_kv_heads_as_heads_equals_torch_mha(kv_sharing, attn_fn):
     gqa = MultiHeadAttention(32, 4, n_kv_heads=4, attn_fn=attn_fn, kv_sharing=kv_sharing)
     ref = torch_mha_like(32, 4, gqa.qkv.weight, gqa.qkv.bias, gqa.out_proj)  # the same layout: [W_q; W_k; W_v]
@@ -165,7 +170,7 @@ def test_gqa_with_as_many_kv_heads_as_heads_equals_torch_mha(kv_sharing, attn_fn
 
 
 @pytest.mark.parametrize("kv_sharing", KV_SHARING)
-@pytest.mark.parametrize("attn_fn", ["sdpa", "eager", "tiled"])
+@pytest.mark.parametrize("attn_fn", list(ATTENTION_FUNCTIONS))
 @pytest.mark.parametrize("n_kv_heads", [1, 2, 4], ids=["mqa", "gqa", "mha"])
 def test_grouped_heads_equal_the_per_head_loop(n_kv_heads, attn_fn, kv_sharing):
     layer = MultiHeadAttention(32, 4, n_kv_heads, attn_fn=attn_fn, kv_sharing=kv_sharing)
@@ -173,11 +178,11 @@ def test_grouped_heads_equal_the_per_head_loop(n_kv_heads, attn_fn, kv_sharing):
     real = padding_mask([10, 6, 1], 10)
     with torch.no_grad():
         torch.testing.assert_close(layer(x), grouped_by_hand(layer, x), atol=ATOL, rtol=0)
-        torch.testing.assert_close(layer(x, key_padding_mask=real), grouped_by_hand(layer, x, real), atol=ATOL, rtol=0)
+        torch.testing.assert_close(layer(x, attention_mask=real), grouped_by_hand(layer, x, real), atol=ATOL, rtol=0)
 
 
 def test_mqa_is_one_kv_head():
-    mqa = build_attention(GPTConfig(d_model=32, n_heads=4, block_size=12, attention="mqa"))
+    mqa = build_attention(GPTConfig(d_model=32, n_heads=4, block_size=12, attention="mqa"), 0)
     assert mqa.n_kv_heads == 1 and mqa.qkv.out_features == 32 + 2 * 8 and mqa.cache_width == 2 * 8
     x = torch.randn(2, 12, 32)
     with torch.no_grad():
@@ -195,6 +200,78 @@ def test_kv_sharings_agree_with_per_head_masks_and_weights(n_kv_heads):
     _, w = modules["fold"](x, return_weights=True)
     _, w_ref = modules["repeat_interleave"](x, return_weights=True)
     torch.testing.assert_close(w, w_ref, atol=ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------- chunked attention (Llama 4)
+def chunk_loop(T, chunk_size, real=None):
+    """Query i sees key j iff j <= i and i // C == j // C, written as a loop; with a padding mask ``real``
+    (B, T), positions count from each row's first real token and padded keys are never seen."""
+    rows = [None] if real is None else range(real.shape[0])
+    masks = []
+    for b in rows:
+        if b is None:
+            pos = list(range(T))
+        else:
+            pos, seen = [], 0
+            for t in range(T):
+                pos.append(max(seen - 1 + int(real[b, t]), 0))
+                seen += int(real[b, t])
+        mask = torch.zeros(T, T, dtype=torch.bool)
+        for i in range(T):
+            for j in range(T):
+                mask[i, j] = j <= i and pos[j] <= pos[i] and pos[i] // chunk_size == pos[j] // chunk_size
+                if b is not None:
+                    mask[i, j] &= bool(real[b, j])
+        masks.append(mask)
+    return masks[0] if real is None else torch.stack(masks)
+
+
+@pytest.mark.parametrize("attn_fn", list(ATTENTION_FUNCTIONS))
+@pytest.mark.parametrize(("chunk_size", "n_kv_heads"), [(1, 2), (3, 2), (4, 1), (5, 4), (20, 2)])
+def test_chunked_layer_equals_the_loop_and_the_mask_mod(chunk_size, n_kv_heads, attn_fn):
+    layer = MultiHeadAttention(32, 4, n_kv_heads, chunk_size=chunk_size, attn_fn=attn_fn)
+    plain = MultiHeadAttention(32, 4, n_kv_heads, attn_fn=attn_fn)
+    plain.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 10, 32)
+    expected = chunk_loop(10, chunk_size)
+    assert torch.equal(mask_from_mod(chunked(chunk_size), (1, 1, 10, 10))[0, 0], expected)
+    with torch.no_grad():
+        y = layer(x)
+        torch.testing.assert_close(y, grouped_by_hand(layer, x, visible=expected), atol=ATOL, rtol=0)
+        torch.testing.assert_close(y, plain(x, mask=expected[None, None]), atol=ATOL, rtol=0)
+    if chunk_size == 1:  # each token sees only itself: the output is its own value, projected
+        _, _, v = layer.project(x)
+        torch.testing.assert_close(y, layer.merge(v.repeat_interleave(4 // n_kv_heads, 1)), atol=ATOL, rtol=0)
+
+
+def test_chunked_layer_with_left_padding_counts_chunks_from_the_first_real_token():
+    layer = MultiHeadAttention(32, 4, 2, chunk_size=3)
+    x = torch.randn(3, 9, 32)
+    real = torch.ones(3, 9, dtype=torch.bool)
+    real[1, :2] = False  # two pads on the left
+    real[2, :4] = False
+    with torch.no_grad():
+        y = layer(x, attention_mask=real)
+        expected = grouped_by_hand(layer, x, visible=chunk_loop(9, 3, real))
+    torch.testing.assert_close(y[real], expected[real], atol=ATOL, rtol=0)  # pads' outputs are never read
+    # a padded row's real tokens give what the unpadded sequence gives
+    torch.testing.assert_close(y[2, 4:], layer(x[2:, 4:])[0].detach(), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("steps", [(10,), (4, 3, 1, 1, 1), (1,) * 10, (2, 5, 3)])
+def test_chunked_layer_decodes_through_its_cache_like_the_whole_sequence(steps):
+    """Cached ≡ uncached: the layer's own cache keeps only the current chunk; the contiguous cache keeps all."""
+    layer = MultiHeadAttention(32, 4, 2, chunk_size=4, block_size=10).eval()
+    x = torch.randn(2, 10, 32)
+    with torch.no_grad():
+        full = layer(x)
+        for cache in (layer.new_cache(10), LayerCache(10)):
+            pieces, start = [], 0
+            for n in steps:
+                pieces.append(layer(x[:, start : start + n], cache=cache))
+                start += n
+            torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=ATOL, rtol=0, msg=type(cache).__name__)
+    assert isinstance(layer.new_cache(10), ChunkedLayerCache)
 
 
 class NewStorageBytes(TorchDispatchMode):
@@ -242,7 +319,7 @@ def mla_as_torch_mha(mla):
 
 
 @pytest.mark.parametrize("absorb", [False, True], ids=["naive", "absorbed"])
-@pytest.mark.parametrize("attn_fn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn_fn", list(ATTENTION_FUNCTIONS))
 def test_mla_equals_mha_with_composed_key_value_weights(absorb, attn_fn):
     mla = MultiHeadLatentAttention(32, 4, 8, attn_fn=attn_fn, absorb=absorb)
     ref = mla_as_torch_mha(mla)
@@ -252,7 +329,7 @@ def test_mla_equals_mha_with_composed_key_value_weights(absorb, attn_fn):
         expected, _ = ref(x, x, x, attn_mask=future(12), need_weights=False)
         torch.testing.assert_close(mla(x), expected, atol=ATOL, rtol=0)
         expected, _ = ref(x, x, x, attn_mask=future(12), key_padding_mask=~real, need_weights=False)
-        torch.testing.assert_close(mla(x, key_padding_mask=real), expected, atol=ATOL, rtol=0)
+        torch.testing.assert_close(mla(x, attention_mask=real), expected, atol=ATOL, rtol=0)
 
 
 def test_mla_cross_attention_equals_torch_with_composed_weights():
@@ -270,7 +347,7 @@ def test_mla_absorbed_equals_naive():
     x = torch.randn(2, 12, 32)
     torch.testing.assert_close(absorbed(x), naive(x), atol=ATOL, rtol=0)
     real = padding_mask(torch.tensor([12, 5]), 12)
-    torch.testing.assert_close(absorbed(x, key_padding_mask=real), naive(x, key_padding_mask=real), atol=ATOL, rtol=0)
+    torch.testing.assert_close(absorbed(x, attention_mask=real), naive(x, attention_mask=real), atol=ATOL, rtol=0)
     _, w_naive = naive(x, return_weights=True)
     _, w_absorbed = absorbed(x, return_weights=True)
     torch.testing.assert_close(w_absorbed, w_naive, atol=ATOL, rtol=0)
@@ -304,7 +381,7 @@ def test_cache_widths_follow_deepseek_v2_table_1():
     for name, width in expected.items():
         config = GPTConfig(d_model=64, n_heads=4, attention=name, n_kv_heads=n_g if name == "gqa" else None,
                            kv_latent_dim=d_c if name == "mla" else None)
-        layer = build_attention(config)
+        layer = build_attention(config, 0)
         assert layer.cache_width == width, name
         assert layer.cache_bytes_per_token(torch.bfloat16) == 2 * width
     # ... and they are the widths of what each layer produces per token

@@ -60,6 +60,9 @@ def check_layer_inputs(layer, x, context, mask, attention_mask, cache, positions
             raise ValueError("cache is for self-attention; a context's keys and values are not cached here")
         if context.shape[0] != B:
             raise ValueError(f"x and context must have the same batch size; got {tuple(x.shape)} and {tuple(context.shape)}")
+        if layer.rope is not None:
+            raise ValueError("a layer with RoPE rotates positions of one sequence; it takes no context "
+                             "(build the cross-attention layer without rope)")
         if context.shape[1] == 0 and T_q:
             raise ValueError(f"context holds no positions; got shape {tuple(context.shape)}")
     if cache is not None:
@@ -120,8 +123,9 @@ def visible_mask(layer, mask, attention_mask, cache, T_q: int, T_total: int, dev
     positions = None
     if rules:  # (B, T_total) per row, or (T_total,) for every row
         positions = mask_positions(attention_mask) if attention_mask is not None else torch.arange(T_total, device=device)
-    if cache is not None and cache.key_positions.numel() != T_total:  # the cache kept only these positions
-        columns = cache.key_positions.to(device)
+    kept = None if cache is None else cache.key_positions
+    if kept is not None and kept.numel() != T_total:  # the cache kept only these positions
+        columns = kept.to(device)
         mask = mask.index_select(-1, columns) if mask is not None and mask.shape[-1] != 1 else mask
         attention_mask = None if attention_mask is None else attention_mask.index_select(1, columns)
         positions = None if positions is None else positions.index_select(-1, columns)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from attnlib._checks import positive_int
-from attnlib.attention.multi_head import MultiHeadAttention
+from attnlib.attention.multi_head import MultiHeadAttention, refuse_options
 
 __all__ = ["MultiHeadLatentAttention"]
 
@@ -30,8 +30,9 @@ class MultiHeadLatentAttention(MultiHeadAttention):
     ``project`` step decodes keys and values from a cached latent.
 
     Args:
-        d_model, n_heads, block_size, dropout, bias, causal, attn_fn, sliding_window, chunk_size: as
-            :class:`MultiHeadAttention` (no RoPE: DeepSeek-V2's decoupled RoPE key is not built here).
+        d_model, n_heads, **options: as :class:`MultiHeadAttention` (``block_size``, ``dropout``, ``bias``,
+            ``causal``, ``attn_fn``, ``sliding_window``, ``chunk_size``, ``score_mod``); no RoPE (DeepSeek-V2's
+            decoupled RoPE key is not built here), QK-norm, ``n_kv_heads`` or ``head_dim`` (refused, named).
         kv_latent_dim: width ``d_c`` of the latent ``c = W^DKV x``, the only thing cached.
         absorb: compute attention against the latents with ``W^UK`` / ``W^UV`` folded
             into the query and output sides (equal to the naive path; the inference form).
@@ -47,27 +48,13 @@ class MultiHeadLatentAttention(MultiHeadAttention):
         ``(B, T, d_model)`` → ``(B, T, d_model)``; the latent is ``(B, T, d_c)``.
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        kv_latent_dim: int,
-        *,
-        block_size: int | None = None,
-        dropout: float = 0.0,
-        bias: bool = True,
-        causal: bool = True,
-        attn_fn: str = "sdpa",
-        absorb: bool = False,
-        sliding_window: int | None = None,
-        chunk_size: int | None = None,
-    ) -> None:
+    def __init__(self, d_model: int, n_heads: int, kv_latent_dim: int, *, absorb: bool = False, **options) -> None:
         positive_int("kv_latent_dim", kv_latent_dim)
         if not isinstance(absorb, bool):
             raise TypeError(f"absorb must be a bool; got {absorb!r}")
+        refuse_options("MultiHeadLatentAttention", options, ("n_kv_heads", "head_dim", "rope", "qk_norm"))
         self.kv_latent_dim, self.absorb = kv_latent_dim, absorb
-        super().__init__(d_model, n_heads, block_size=block_size, dropout=dropout, bias=bias, causal=causal, attn_fn=attn_fn,
-                         sliding_window=sliding_window, chunk_size=chunk_size)
+        super().__init__(d_model, n_heads, **options)
 
     def build_projections(self, bias: bool) -> None:
         self.q_proj = nn.Linear(self.d_model, self.d_model, bias=bias)

@@ -25,12 +25,19 @@ from attnlib.cache.layer import LayerCache
 from attnlib.cache.windowed import ChunkedLayerCache, RingLayerCache
 from attnlib.layers.norms import RMSNorm
 
-__all__ = ["KV_SHARING", "MultiHeadAttention"]
+__all__ = ["KV_SHARING", "MultiHeadAttention", "refuse_options"]
 
 #: How a group of query heads reads its shared key/value head: ``"fold"`` hands the shared heads to
 #: the attention function, which reads them in place (no copy); ``"repeat_interleave"`` copies each
 #: K/V head once per query head of its group first (simple, but the copies cost memory). Equal outputs.
 KV_SHARING = ("fold", "repeat_interleave")
+
+
+def refuse_options(layer: str, options: dict, names: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` if ``options`` sets any of ``names``: what a variant of the layer cannot honour."""
+    given = sorted(name for name in names if options.get(name) not in (None, False))
+    if given:
+        raise ValueError(f"{layer} does not take {given}: {', '.join(f'{n}={options[n]!r}' for n in given)}")
 
 
 class MultiHeadAttention(nn.Module):
@@ -117,6 +124,8 @@ class MultiHeadAttention(nn.Module):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool; got {value!r}")
         get_attention_function(attn_fn)  # an unknown name fails here, naming the known ones
+        if dropout and attn_fn in ("tiled", "flash"):
+            raise ValueError(f"dropout={dropout} needs attn_fn='eager' or 'sdpa' ({attn_fn!r} has no dropout)")
         if not isinstance(kv_sharing, str) or kv_sharing not in KV_SHARING:
             raise ValueError(f"kv_sharing={kv_sharing!r} is not one of {KV_SHARING}")
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
@@ -135,13 +144,17 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)  # created last: init order as in nanoGPT
         self.resid_dropout = nn.Dropout(dropout)
         if rope is not None and getattr(rope, "head_dim", None) != self.head_dim:
-            raise ValueError(f"rope must be a RotaryEmbedding of head_dim={self.head_dim}; got {rope!r}")
+            got = f"one of head_dim={rope.head_dim}" if hasattr(rope, "head_dim") else repr(rope)
+            raise ValueError(f"rope must be a RotaryEmbedding of head_dim={self.head_dim}; got {got}")
         self.rope = rope
         self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
 
     def _rule(self, window: int | None, chunk: int | None):
         """The layer's mask modification beyond causality: its sliding window or chunk (checked), or None."""
+        for name, value in (("sliding_window", window), ("chunk_size", chunk)):
+            if value is not None:
+                positive_int(name, value)
         if window is not None and chunk is not None:
             raise ValueError(f"sliding_window={window} and chunk_size={chunk}: a layer has one or the other")
         if (window is not None or chunk is not None) and not self.causal:

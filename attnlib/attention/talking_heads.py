@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlib.attention.masks import combined_mask, masked_softmax
-from attnlib.attention.multi_head import MultiHeadAttention
+from attnlib.attention.multi_head import MultiHeadAttention, refuse_options
 
 __all__ = ["BiasedTalkingHeadsAttention", "TalkingHeadsAttention"]
 
@@ -31,8 +31,10 @@ class TalkingHeadsAttention(MultiHeadAttention):
     ``attend`` step mixes the heads' logits and weights.
 
     Args:
-        d_model, n_heads, block_size, dropout, bias, causal, sliding_window, chunk_size: as :class:`MultiHeadAttention`
-            (one key/value head per query head; the eager computation, which yields the weights).
+        d_model, n_heads, **options: as :class:`MultiHeadAttention` (``block_size``, ``dropout``, ``bias``,
+            ``causal``, ``sliding_window``, ``chunk_size``): one key/value head per query head and the eager
+            computation, which yields the weights. What mixing the heads' raw scores excludes is refused,
+            named: grouped K/V heads, another attention function, RoPE, QK-norm, a ``score_mod``.
 
     Attributes:
         qkv, out_proj: as :class:`MultiHeadAttention`.
@@ -53,20 +55,10 @@ class TalkingHeadsAttention(MultiHeadAttention):
     post_softmax_bias = False
     per_head_masks = False
 
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        *,
-        block_size: int | None = None,
-        dropout: float = 0.0,
-        bias: bool = True,
-        causal: bool = True,
-        sliding_window: int | None = None,
-        chunk_size: int | None = None,
-    ) -> None:
-        super().__init__(d_model, n_heads, block_size=block_size, dropout=dropout, bias=bias, causal=causal, attn_fn="eager",
-                         sliding_window=sliding_window, chunk_size=chunk_size)
+    def __init__(self, d_model: int, n_heads: int, **options) -> None:
+        refuse_options(type(self).__name__, options,
+                       ("n_kv_heads", "attn_fn", "kv_sharing", "head_dim", "rope", "qk_norm", "score_mod"))
+        super().__init__(d_model, n_heads, attn_fn="eager", **options)
         # nn.Parameter, not nn.Linear: the GPT's N(0, 0.02) init must not turn the identity into noise.
         self.mix_logits = nn.Parameter(torch.eye(n_heads))
         self.mix_weights = nn.Parameter(torch.eye(n_heads))

@@ -50,8 +50,9 @@ def online_softmax_update(
         m: running max, shape ``(..., 1)``; start with ``-inf``.
         denom: running sum of ``exp(x - m)``, shape ``(..., 1)``; start with ``0``.
         block: the next scores, shape ``(..., n)``.
-        values: optional ``(..., n, d_v)``, the values the block's scores weigh.
-        acc: with ``values``: running ``Σ exp(x - m) · v``, ``(..., d_v)``; start with ``0``.
+        values: optional ``(..., n, d_v)`` with ``block``'s leading dims but its last (a batch of rows
+            ``(..., T_q, n)`` weighs ``(..., n, d_v)``): the values the block's scores weigh.
+        acc: with ``values``: running ``Σ exp(x - m) · v``, ``(..., T_q, d_v)``; start with ``0``.
 
     Returns:
         ``(m', denom')``, each ``(..., 1)``; with ``values``, ``(m', denom', acc')``.
@@ -106,8 +107,9 @@ def fold_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
 
     4-D inputs ``q (B, n_heads, T_q, d)``, ``k, v (B, n_kv_heads, T_k, d)`` become
     ``q (B, n_kv, group, T_q, d)`` against ``k, v (B, n_kv, 1, T_k, d)``: each group of query heads
-    reads its key/value head by broadcasting, without a copy. The mask is expanded to the scores'
-    shape as a view, so that tiles can be sliced from it. Other ranks pass through unchanged.
+    reads its key/value head by broadcasting, without copying the whole K/V (a tile's product may still
+    expand its tile once per query head of the group). The mask is expanded to the scores' shape as a
+    view, so that tiles can be sliced from it. Other ranks pass through unchanged.
     """
     if q.dim() == 4:
         B, H = q.shape[:2]

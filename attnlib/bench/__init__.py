@@ -7,7 +7,13 @@
 * ``memory`` (:func:`memory_rows`): peak memory and time of naive, SDPA and tiled attention
   as the sequence grows.
 * ``train`` (:func:`train_rows`): one AdamW step of attnlib's GPT against a GPT built from
-  ``nn.TransformerEncoderLayer``, at the book's small model and at 10M parameters.
+  ``nn.TransformerEncoderLayer``, at the book's small model and at 10M parameters (``--modern``:
+  and the Llama-style :class:`attnlib.Decoder` of the same sizes).
+* ``flash``, ``long-context``, ``serving``: chapters 15, 17 and 19 (:mod:`attnlib.bench.flash`, ...).
+* ``hf-llama`` (:func:`hf_llama_rows`): the Llama-style decoder against ``transformers``'
+  ``LlamaForCausalLM`` with the same weights: a training step and greedy decoding (needs ``transformers``).
+* ``layer-types`` (:func:`layer_types_rows`): decode tokens/s and KV-cache bytes of layer patterns
+  (full, sliding, Gemma 3, gpt-oss, Llama 4, Qwen3-Next) at one context.
 
 Each function returns plain dicts (one per table row) so that a notebook can run a
 small version. The command line checks every flag first (``error:``, exit 2), prints the
@@ -20,9 +26,13 @@ asserted in tests. Full-size runs::
     python -m attnlib.bench kv-cache --out bench_kv_cache.json
     python -m attnlib.bench memory --out bench_memory.json
     python -m attnlib.bench train --out bench_train.json
+    python -m attnlib.bench hf-llama --out bench_hf_llama.json
+    python -m attnlib.bench layer-types --out bench_layer_types.json
 """
-from attnlib.bench._common import environment, format_table, load_results, time_calls
+from attnlib.bench._common import environment, format_table, load_results, time_after_setup, time_calls
+from attnlib.bench.hf_llama import format_hf_llama, hf_llama_rows
 from attnlib.bench.kv_cache import GPT2_SMALL, format_kv_cache, kv_cache_rows
+from attnlib.bench.layer_types import format_layer_types, layer_types_rows
 from attnlib.bench.memory import format_memory, memory_rows
 from attnlib.bench.mha import MHA_DEFAULTS, format_mha, mha_rows, mha_summary
 from attnlib.bench.train import TRAIN_SIZES, TorchGPT, format_train, train_rows
@@ -33,16 +43,21 @@ __all__ = [
     "TRAIN_SIZES",
     "TorchGPT",
     "environment",
+    "format_hf_llama",
     "format_kv_cache",
+    "format_layer_types",
     "format_memory",
     "format_mha",
     "format_table",
     "format_train",
+    "hf_llama_rows",
     "kv_cache_rows",
+    "layer_types_rows",
     "load_results",
     "memory_rows",
     "mha_rows",
     "mha_summary",
+    "time_after_setup",
     "time_calls",
     "train_rows",
 ]

@@ -1,4 +1,4 @@
-"""``python -m attnlib.bench <mha|kv-cache|memory|train> [options]``."""
+"""``python -m attnlib.bench <name> [options]``: ``--help`` lists the benchmarks (:mod:`attnlib.bench.cli`)."""
 from attnlib.bench.cli import main
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import statistics
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from torch.utils import benchmark
 import attnlib
 
 __all__ = ["Command", "environment", "load_average", "format_environment", "format_table", "load_results", "resolve_device",
-           "threads", "time_calls", "write_json"]
+           "threads", "time_after_setup", "time_calls", "write_json"]
 
 @dataclasses.dataclass(frozen=True)
 class Command:
@@ -97,7 +98,9 @@ def time_calls(fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: i
     Each function is called ``warmup`` times untimed; then, ``repeats`` times, every
     function is timed once in turn with ``torch.utils.benchmark.Timer`` (which
     synchronises an accelerator and uses all of torch's threads here). Interleaving
-    means a change in the machine's load hits every function alike.
+    means a change in the machine's load hits every function alike. ``Timer.timeit(number=1)``
+    itself calls the function twice, untimed, before the timed call: a function that changes
+    state each call (a decode step on a cache) needs :func:`time_after_setup` instead.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be a positive int")
@@ -112,6 +115,46 @@ def time_calls(fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: i
     for _ in range(repeats):
         for name, timer in timers.items():
             times[name].append(timer.timeit(number=1).median)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def time_after_setup(fns: dict[str, Callable[[], object]], setups: dict[str, Callable[[], object]], repeats: int = 5,
+                     warmup: int = 1, device: torch.device | str | None = None) -> dict[str, float]:
+    """Median seconds per call of each function, each call made right after its own untimed setup.
+
+    For calls that consume what their setup prepares (decoding from a restored, prefilled cache). As
+    :func:`time_calls`, in ``repeats`` rounds that interleave the functions, after ``warmup`` untimed
+    setup + call pairs each; every call is timed alone by ``time.perf_counter``, the accelerator of
+    ``device`` synchronised before and after it.
+
+    Raises:
+        ValueError: ``repeats`` not a positive int; ``setups`` without exactly the names of ``fns``.
+    """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be a positive int")
+    if set(setups) != set(fns):
+        raise ValueError(f"setups names {sorted(setups)}; expected one per function {sorted(fns)}")
+    device = torch.device("cpu") if device is None else torch.device(device)
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elif device.type == "mps":
+            torch.mps.synchronize()
+
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            setups[name]()
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            setups[name]()
+            synchronize()
+            start = time.perf_counter()
+            fn()
+            synchronize()
+            times[name].append(time.perf_counter() - start)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -134,10 +177,20 @@ def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) 
 
 
 def write_json(path: str | Path, payload: dict) -> Path:
-    """Write a benchmark's settings, environment and rows as JSON (directories created as needed)."""
+    """Write a benchmark's settings, environment and rows as JSON (directories created as needed).
+
+    Atomic: the text goes to a temporary file beside ``path``, which then replaces ``path`` in one
+    step (``os.replace``), so an interrupted run never leaves a half-written results file.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=1) + "\n")
+    text = json.dumps(payload, indent=1) + "\n"  # serialised first: a value JSON cannot take fails here
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # same directory: os.replace stays one rename
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 

@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnlib.attention import MultiHeadAttention, MultiHeadAttentionWrapper
-from attnlib.functional import causal_mask
+from attnlib.attention import MultiHeadAttention, MultiHeadAttentionWrapper, causal_mask
 
 __all__ = ["EinsumAttention", "ProjectedCore", "ScratchMultiHeadAttention", "TorchMultiheadAttention", "einsum_core",
            "merge_heads", "split_heads", "wrapper_with_out_proj"]

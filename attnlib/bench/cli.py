@@ -1,4 +1,4 @@
-"""The command line of :mod:`attnlib.bench`: ``python -m attnlib.bench <mha|kv-cache|memory|train|flash|long-context|serving> [options]``.
+"""The command line of :mod:`attnlib.bench`: ``python -m attnlib.bench <name> [options]``, a name of :data:`BENCHMARKS`.
 
 Every flag is checked before anything is measured: a bad size, device, count or output
 path gives argparse's ``error:`` line naming the value, and exit status 2. Each run prints
@@ -9,7 +9,6 @@ in seconds (tests, the install check).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import shlex
 import sys
@@ -21,17 +20,20 @@ import torch
 from attnlib.bench._common import DTYPES, environment, format_environment, load_average, resolve_device, write_json
 from attnlib.bench._common import threads as using_threads
 from attnlib.bench.flash import COMMAND as FLASH_COMMAND
+from attnlib.bench.hf_llama import COMMAND as HF_LLAMA_COMMAND
 from attnlib.bench.kv_cache import GPT2_SMALL, TINY, VARIANTS, format_kv_cache, kv_cache_rows
+from attnlib.bench.layer_types import COMMAND as LAYER_TYPES_COMMAND
 from attnlib.bench.long_context import COMMAND as LONG_CONTEXT_COMMAND
 from attnlib.bench.memory import METHODS, format_memory, memory_rows
 from attnlib.bench.mha import CORES, LAYERS, MHA_DEFAULTS, format_mha, mha_rows, mha_summary
 from attnlib.bench.serving import COMMAND as SERVING_COMMAND
-from attnlib.bench.train import TRAIN_SIZES, TRAIN_SMALL, format_train, train_rows
+from attnlib.bench.train import TRAIN_SIZES, TRAIN_SMALL, format_train, modern_config, train_rows
 
 __all__ = ["BENCHMARKS", "main"]
 
 #: Benchmarks defined by a :class:`attnlib.bench._common.Command` next to their rows (newer ones).
-COMMANDS = {"flash": FLASH_COMMAND, "long-context": LONG_CONTEXT_COMMAND, "serving": SERVING_COMMAND}
+COMMANDS = {"flash": FLASH_COMMAND, "long-context": LONG_CONTEXT_COMMAND, "serving": SERVING_COMMAND,
+            "hf-llama": HF_LLAMA_COMMAND, "layer-types": LAYER_TYPES_COMMAND}
 BENCHMARKS = ("mha", "kv-cache", "memory", "train", *COMMANDS)
 #: Sizes of ``--small`` runs: seconds on a laptop CPU.
 MHA_SMALL = dict(batch=2, seq_len=64, d_model=64, n_heads=4)
@@ -97,7 +99,7 @@ def _device(text: str) -> torch.device:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m attnlib.bench",
-        description="Benchmarks of chapter 15; each prints a table measured in one run and writes it to --out.",
+        description="Benchmarks of chapters 15-19; each prints a table measured in one run and writes it to --out.",
     )
     sub = p.add_subparsers(dest="benchmark", required=True, metavar="{" + ",".join(BENCHMARKS) + "}")
 
@@ -230,7 +232,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> dict:
                         warmup=args.warmup, tile_size=args.tile_size, rows=args.rows)
         text, summary = format_mha(rows, settings), mha_summary(rows)
     elif args.benchmark == "kv-cache":
-        settings = dict(config=dataclasses.asdict(args.config), tokens=args.tokens, variants=args.variants,
+        settings = dict(config=args.config.to_dict(), tokens=args.tokens, variants=args.variants,
                         prompt_len=args.prompt_len, batch=args.batch, **common)
         rows = kv_cache_rows(args.variants, tokens=args.tokens, prompt_len=args.prompt_len, config=args.config,
                              batch=args.batch, device=device, repeats=args.repeats, warmup_tokens=args.warmup)
@@ -250,8 +252,10 @@ def _run(args: argparse.Namespace, argv: list[str]) -> dict:
         settings, rows, text, summary = COMMANDS[args.benchmark].run(args, device)
         settings.update(common)
     else:
-        settings = dict(sizes={name: dict(config=dataclasses.asdict(c), batch=b) for name, (c, b) in args.train_sizes.items()},
+        settings = dict(sizes={name: dict(config=c.to_dict(), batch=b) for name, (c, b) in args.train_sizes.items()},
                         dtype=args.dtype, modern=args.modern, **common)
+        if args.modern:  # the Llama-style decoder each size is compared with, every field (norm_eps, tie, ...)
+            settings["modern_configs"] = {name: modern_config(c).to_dict() for name, (c, _) in args.train_sizes.items()}
         rows = train_rows(args.train_sizes, device=device, dtype=DTYPES[args.dtype], repeats=args.repeats,
                           warmup=args.warmup, modern=args.modern)
         text = format_train(rows, settings)

@@ -3,7 +3,7 @@
 Chapter 15. For ``q, k, v`` of shape ``(B, n_heads, T, head_dim)`` that require grad, each
 method computes the output and then ``dQ, dK, dV`` for a fixed random ``dO``:
 
-* ``naive``: :func:`attnlib.functional.attention` under autograd: saves the ``(T, T)`` weights;
+* ``naive``: :func:`attnlib.attention.attention` under autograd: saves the ``(T, T)`` weights;
 * ``sdpa``: ``F.scaled_dot_product_attention`` (torch's fused kernel for the device);
 * ``flash``: :func:`attnlib.attention.flash_attention`: saves ``Q, K, V, O`` and the
   log-sum-exp, recomputes the weights block by block in backward;
@@ -25,10 +25,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from attnlib.attention import flash_attention, tiled_attention
+from attnlib.attention import attention, flash_attention, tiled_attention
 from attnlib.bench._common import DTYPES, Command, format_table, resolve_device, time_calls
 from attnlib.bench._common import threads as using_threads
-from attnlib.functional import attention
 
 __all__ = ["COMMAND", "FLASH_METHODS", "flash_rows", "format_flash", "saved_bytes"]
 
@@ -45,7 +44,7 @@ def _method(name: str, causal: bool, tile_size: int) -> Callable[..., torch.Tens
     if name == "sdpa":
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     if name == "flash":
-        return lambda q, k, v: flash_attention(q, k, v, is_causal=causal, tile_size=tile_size)
+        return lambda q, k, v: flash_attention(q, k, v, is_causal=causal, tile_size=tile_size)[0]
     if name == "tiled":
         return lambda q, k, v: tiled_attention(q, k, v, is_causal=causal, tile_size=tile_size)[0]
     raise ValueError(f"unknown method {name!r}; choose from {FLASH_METHODS}")

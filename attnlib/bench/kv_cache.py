@@ -18,16 +18,15 @@ import functools
 
 import torch
 
-from attnlib.attention import ATTENTION_REGISTRY
 from attnlib.bench._common import format_table, resolve_device, time_calls
 from attnlib.bench._common import threads as using_threads
 from attnlib.cache import KVCache
-from attnlib.config import GPTConfig
-from attnlib.model import GPT
+from attnlib.models import GPT, GPTConfig
+from attnlib.models.config import ATTENTION_VARIANTS
 
 __all__ = ["GPT2_SMALL", "SMALL", "TINY", "VARIANTS", "format_kv_cache", "generate_plain", "kv_cache_rows", "variant_config"]
 
-#: GPT-2 small's shape. GQA keeps 4 key/value heads (groups of 3 query heads) (:data:`VARIANT_SETTINGS`);
+#: GPT-2 small's shape. GQA keeps 4 key/value heads (groups of 3 query heads; :func:`variant_config`);
 #: MLA's latent is attnlib's default d_model // 4 = 192 numbers (DeepSeek-V2 uses 4 · head_dim, which would be 256).
 GPT2_SMALL = GPTConfig(vocab_size=50257, block_size=1024, n_layers=12, n_heads=12, d_model=768)
 #: A small model for quick runs (``--small``): big enough that the cache already pays off.
@@ -35,7 +34,7 @@ SMALL = GPTConfig(vocab_size=1024, block_size=256, n_layers=4, n_heads=8, d_mode
 #: ``--small`` on the command line: a tiny model for tests and the install check (milliseconds a token).
 TINY = GPTConfig(vocab_size=64, block_size=32, n_layers=2, n_heads=6, d_model=48)
 VARIANTS = ("mha", "gqa", "mqa", "mla")
-#: What each variant sets on the base config: GQA's key/value heads are ``n_heads // 3`` (4 of GPT-2's 12).
+
 
 def variant_config(config: GPTConfig, variant: str) -> GPTConfig:
     """``config`` with ``attention=variant``.
@@ -47,8 +46,8 @@ def variant_config(config: GPTConfig, variant: str) -> GPTConfig:
     Raises:
         ValueError: an unknown variant.
     """
-    if variant not in ATTENTION_REGISTRY:
-        raise ValueError(f"unknown variant {variant!r}; choose from {sorted(ATTENTION_REGISTRY)}")
+    if variant not in ATTENTION_VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose from {sorted(ATTENTION_VARIANTS)}")
     base = config.replace(attention="mha", n_kv_heads=None, kv_latent_dim=None)
     if variant == "gqa":
         kv = config.n_kv_heads if config.n_kv_heads is not None and config.n_kv_heads < config.n_heads else None
@@ -78,8 +77,8 @@ def generate_plain(model: GPT, idx: torch.Tensor, max_new_tokens: int) -> torch.
 
 def _describe(config: GPTConfig) -> str:
     if config.attention == "mla":
-        return f"latent d_c={config.latent_dim}"
-    return f"{config.kv_heads} kv head" + ("s" if config.kv_heads > 1 else "")
+        return f"latent d_c={config.kv_latent_dim}"
+    return f"{config.n_kv_heads} kv head" + ("s" if config.n_kv_heads > 1 else "")
 
 
 def kv_cache_rows(
@@ -97,7 +96,7 @@ def kv_cache_rows(
     """Tokens per second with and without the cache, and the cache's bytes per token, per variant.
 
     Args:
-        variants: names in :data:`attnlib.attention.ATTENTION_REGISTRY`.
+        variants: names in :data:`attnlib.models.config.ATTENTION_VARIANTS`.
         tokens: new tokens per generation (greedy, ``temperature=0``).
         prompt_len: length of the random prompt.
         config: the model's shape (default :data:`GPT2_SMALL`); each variant's is :func:`variant_config`.

@@ -1,6 +1,7 @@
 """``python -m attnlib.bench long-context``: generation speed and cache bytes as the text grows. Chapter 17.
 
-An untrained :class:`attnlib.ModernDecoder` (RoPE, GQA; speed does not depend on the weights)
+An untrained Llama-style :class:`attnlib.Decoder` (:meth:`attnlib.DecoderConfig.llama`: RoPE, GQA; speed does not
+depend on the weights)
 generates greedily with three caches, and after each length the bytes the cache holds are read
 from its tensors:
 
@@ -8,29 +9,32 @@ from its tensors:
   context, so we report the bytes of the positions *held*, which grow with the text);
 * ``window``: the model with a sliding window, whose cache is a ring buffer of ``window``
   positions per layer (:class:`~attnlib.cache.RingLayerCache`): flat;
-* ``sinks``: StreamingLLM's 4 sinks + a window (:class:`~attnlib.cache.SinkLayerCache`): flat.
+* ``sinks``: StreamingLLM's 4 sinks + a window (:class:`~attnlib.cache.SinkLayerCache`,
+  :meth:`attnlib.cache.KVCache.streaming`) on the model without a window: flat.
 
 Tokens/s is the decode rate between two lengths (one token per step, batch 1).
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
 
 from attnlib.bench._common import Command, format_table
 from attnlib.cache import KVCache
-from attnlib.modern import ModernConfig, ModernDecoder
+from attnlib.models import Decoder, DecoderConfig
 
 __all__ = ["CACHES", "COMMAND", "LONG_CONTEXT", "LONG_CONTEXT_SMALL", "format_long_context", "long_context_rows"]
 
 CACHES = ("full", "window", "sinks")
-#: A small Llama-shaped model: 4 layers, 8 heads of 32 (2 key/value heads), 64-token window.
-LONG_CONTEXT = dict(config=ModernConfig(vocab_size=256, block_size=4096, n_layers=4, n_heads=8, n_kv_heads=2,
-                                        d_model=256), window=64, n_sink=4, lengths=[256, 512, 1024, 2048, 4096])
-LONG_CONTEXT_SMALL = dict(config=ModernConfig(vocab_size=64, block_size=128, n_layers=2, n_heads=4, n_kv_heads=2,
-                                              d_model=32), window=16, n_sink=4, lengths=[32, 64, 128])
+#: A small Llama-shaped model: 4 layers, 8 heads of 32 (2 key/value heads), 64-token window. RMSNorm's eps is
+#: 1e-6, as in the committed run (attnlib 1.x's ModernConfig default).
+LONG_CONTEXT = dict(config=DecoderConfig.llama(vocab_size=256, block_size=4096, n_layers=4, n_heads=8, n_kv_heads=2,
+                                               d_model=256, norm_eps=1e-6),
+                    window=64, n_sink=4, lengths=[256, 512, 1024, 2048, 4096])
+LONG_CONTEXT_SMALL = dict(config=DecoderConfig.llama(vocab_size=64, block_size=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                                                     d_model=32, norm_eps=1e-6),
+                          window=16, n_sink=4, lengths=[32, 64, 128])
 COLUMNS = [("cache", "cache", "s"), ("length", "tokens", ",d"), ("bytes_held", "cache bytes held", ",d"),
            ("bytes_allocated", "allocated", ",d"), ("tokens_per_s", "tok/s since last", ",.1f")]
 
@@ -39,28 +43,28 @@ def _held(cache: KVCache) -> int:
     """Bytes of the positions a cache holds now (a ring/sink buffer's all; a full cache's filled part)."""
     total = 0
     for layer in cache.layers:
-        for buffer in layer.buffers.values():
+        for buffer in layer.buffers:
             positions = min(layer.length, buffer.shape[-2])
             total += buffer[..., :positions, :].numel() * buffer.element_size()
     return total
 
 
 @torch.no_grad()
-def long_context_rows(config: ModernConfig, window: int, n_sink: int, lengths: list[int],
+def long_context_rows(config: DecoderConfig, window: int, n_sink: int, lengths: list[int],
                       caches: tuple[str, ...] = CACHES, device: torch.device | str = "cpu", seed: int = 0) -> list[dict]:
     """One row per (cache, length): bytes held and allocated, and tokens/s since the previous length."""
     torch.manual_seed(seed)
-    model = ModernDecoder(config).to(device).eval()
-    windowed = ModernDecoder(config.replace(sliding_window=window)).to(device).eval()  # the same weights
+    model = Decoder(config).to(device).eval()
+    windowed = Decoder(config.replace(sliding_window=window)).to(device).eval()  # the same weights
     windowed.load_state_dict(model.state_dict())
-    n_layers, rows = config.n_layers, []
+    rows = []
     for kind in caches:
         if kind == "full":
-            cache, decoder = KVCache(n_layers, config.block_size), model
+            cache, decoder = model.new_cache(), model  # a LayerCache of block_size positions per layer
         elif kind == "window":
             cache, decoder = windowed.new_cache(), windowed  # a ring buffer per layer
         else:
-            cache, decoder = KVCache(n_layers, max(lengths) + 1, windows=[window] * n_layers, n_sink=n_sink), model
+            cache, decoder = KVCache.streaming(model, window=window, n_sink=n_sink, block_size=max(lengths) + 1), model
         token, done, previous, start = torch.zeros(1, 1, dtype=torch.long, device=device), 0, 0, time.perf_counter()
         for length in lengths:
             while done < length:
@@ -78,7 +82,7 @@ def format_long_context(rows: list[dict], settings: dict | None = None) -> str:
     parts = []
     if settings:
         c = settings["config"]
-        parts.append(f"ModernDecoder (untrained): {c['n_layers']} layers, {c['n_heads']} heads "
+        parts.append(f"Llama-style Decoder (untrained): {c['n_layers']} layers, {c['n_heads']} heads "
                      f"({c['n_kv_heads']} key/value), d_model {c['d_model']}; window {settings['window']}, "
                      f"{settings['n_sink']} sinks; batch 1, greedy, one token per step.")
     parts.append(format_table(rows, COLUMNS))
@@ -110,7 +114,7 @@ def _check(parser, args) -> None:
 
 
 def _run(args, device):
-    settings = dict(config=dataclasses.asdict(args.config), window=args.window, n_sink=args.n_sink, lengths=args.lengths)
+    settings = dict(config=args.config.to_dict(), window=args.window, n_sink=args.n_sink, lengths=args.lengths)
     rows = long_context_rows(args.config, args.window, args.n_sink, args.lengths, device=device)
     held = {kind: [r["bytes_held"] for r in rows if r["cache"] == kind] for kind in CACHES}
     summary = {f"{kind}_growth": h[-1] / h[0] for kind, h in held.items()}

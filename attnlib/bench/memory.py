@@ -3,10 +3,10 @@
 Chapter 15. Causal attention of ``q, k, v`` of shape ``(B, n_heads, T, head_dim)``,
 under ``torch.no_grad``:
 
-* ``naive``: :func:`attnlib.functional.attention` with ``is_causal=True``:
+* ``naive``: :func:`attnlib.attention.attention` with ``is_causal=True``:
   materialises the ``(B, n_heads, T, T)`` scores (and weights);
 * ``sdpa``: ``F.scaled_dot_product_attention(..., is_causal=True)``;
-* ``tiled``: :func:`attnlib.attention.tiled.tiled_attention`.
+* ``tiled``: :func:`attnlib.attention.tiled_attention`.
 
 How the peak is measured (the output says which was used):
 
@@ -35,10 +35,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from attnlib.attention import tiled_attention
+from attnlib.attention import attention, tiled_attention
 from attnlib.bench._common import format_table, resolve_device, time_calls
 from attnlib.bench._common import threads as using_threads
-from attnlib.functional import attention
 
 __all__ = ["METHODS", "format_memory", "memory_rows"]
 

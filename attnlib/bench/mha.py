@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attnlib.attention import MultiHeadAttention, tiled_attention
+from attnlib.attention import MultiHeadAttention, attention, causal_mask, tiled_attention
 from attnlib.bench._common import format_table, resolve_device, time_calls
 from attnlib.bench._common import threads as using_threads
 from attnlib.bench._layers import (
@@ -35,7 +35,6 @@ from attnlib.bench._layers import (
     split_heads,
     wrapper_with_out_proj,
 )
-from attnlib.functional import attention, causal_mask
 
 __all__ = ["LAYERS", "CORES", "MHA_DEFAULTS", "format_mha", "mha_rows", "mha_summary"]
 
@@ -133,7 +132,7 @@ def _mha_rows(batch, seq_len, d_model, n_heads, device, dtype, backward, repeats
         "layer/tiled": ("Linear + tiled_attention + Linear", lambda: ProjectedCore(source, tiled_core)),
         "core/reference": ("bare SDPA(is_causal=True)", lambda: sdpa_causal),
         "core/bool_mask": ("SDPA(attn_mask=bool causal mask)", lambda: sdpa_bool_mask),
-        "core/eager": ("attnlib.functional.attention(is_causal=True)", lambda: eager_core),
+        "core/eager": ("attnlib.attention.attention(is_causal=True)", lambda: eager_core),
         "core/einsum": ("einsum", lambda: einsum_causal),
         "core/tiled": (f"tiled_attention (tiles {tile_size})", lambda: tiled_core),
     }

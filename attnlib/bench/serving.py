@@ -12,7 +12,7 @@ Chapter 19. Three comparisons in one run, each a ratio:
 * **memory**: KV-cache positions (and bytes, for this model) that a mix of request lengths
   (:func:`attnlib.serving.request_lengths`) reserves: preallocated to ``block_size`` per request against
   pages taken as needed (:func:`attnlib.serving.cache_memory`);
-* **speculative**: the target's own greedy decoding against :func:`attnlib.generate.speculative_generate`,
+* **speculative**: the target's own greedy decoding against :func:`attnlib.generation.speculative_generate`,
   with the acceptance rate. The models are untrained (speed does not depend on the weights, acceptance
   does): the draft is the target's first ``draft_layers`` layers with its final norm and head
   (self-speculative decoding: Zhang et al. 2023, "Draft & Verify"), so that it agrees with the target
@@ -21,16 +21,14 @@ Chapter 19. Three comparisons in one run, each a ratio:
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import torch
 from torch import nn
 
 from attnlib.bench._common import Command, format_table, resolve_device, time_calls
 from attnlib.bench._common import threads as using_threads
-from attnlib.config import GPTConfig
-from attnlib.generate import speculative_generate
-from attnlib.model import GPT
+from attnlib.generation import speculative_generate
+from attnlib.models import GPT, GPTConfig
 from attnlib.serving import cache_memory, left_pad, request_lengths, serve
 
 __all__ = ["COMMAND", "SMALL", "TARGET", "format_serving", "serving_rows", "truncated"]
@@ -52,7 +50,7 @@ def truncated(model: GPT, n_layers: int) -> GPT:
         raise ValueError(f"draft_layers={n_layers!r} must be an int in [1, n_layers={model.config.n_layers}]")
     draft = copy.deepcopy(model)
     draft.blocks = nn.ModuleList(list(draft.blocks)[:n_layers])
-    draft.config = model.config.replace(n_layers=n_layers)
+    draft.config = model.config.replace(n_layers=n_layers, layer_types=model.config.layer_types[:n_layers])
     return draft
 
 
@@ -217,7 +215,7 @@ def _check(parser, args) -> None:
 
 
 def _run(args, device):
-    settings = dict(config=dataclasses.asdict(args.config), n_prompts=args.prompts, new_tokens=args.tokens,
+    settings = dict(config=args.config.to_dict(), n_prompts=args.prompts, new_tokens=args.tokens,
                     draft_layers=args.draft_layers, n_draft=args.n_draft, page_size=args.page_size,
                     n_requests=args.requests, seed=args.seed, repeats=args.repeats, max_batch=args.max_batch)
     rows = serving_rows(args.config, n_prompts=args.prompts, new_tokens=args.tokens, draft_layers=args.draft_layers,

@@ -15,11 +15,11 @@ A step is ``forward → cross-entropy → backward → AdamW.step → zero_grad`
 rounds that alternate the two models (:func:`attnlib.bench.time_calls`), median reported.
 The ratio is attnlib's time over torch's: below 1 means attnlib's GPT trains faster.
 
-With ``modern=True`` (chapter 16) each row also times :class:`attnlib.ModernDecoder` at the
-same width, depth, heads, vocabulary and batch (:func:`modern_config`: RoPE, RMSNorm, SwiGLU of
-``8/3 · d_model``, tied head, no biases), in the same alternating rounds; ``modern_ratio`` is its
-step time over attnlib's GPT's (issue 14 asks for at most 1.05). The same decoder without RoPE
-(``position="nope"``) is timed beside it, so the table shows what the rotation costs.
+With ``modern=True`` (chapter 16) each row also times the Llama-style :class:`attnlib.Decoder` at the
+same width, depth, heads, vocabulary and batch (:func:`modern_config`, a :meth:`attnlib.DecoderConfig.llama`:
+RoPE, RMSNorm, SwiGLU of ``8/3 · d_model``, tied head, no biases), in the same alternating rounds;
+``modern_ratio`` is its step time over attnlib's GPT's (issue 14 asks for at most 1.05). The same decoder
+without RoPE (``position="nope"``) is timed beside it, so the table shows what the rotation costs.
 """
 from __future__ import annotations
 
@@ -29,9 +29,7 @@ from torch import nn
 
 from attnlib.bench._common import format_table, resolve_device, time_calls
 from attnlib.bench._common import threads as using_threads
-from attnlib.config import GPTConfig
-from attnlib.model import GPT
-from attnlib.modern import ModernConfig, ModernDecoder
+from attnlib.models import GPT, Decoder, DecoderConfig, GPTConfig
 
 __all__ = ["TRAIN_SIZES", "TRAIN_SMALL", "TorchGPT", "format_train", "modern_config", "train_rows"]
 
@@ -81,16 +79,17 @@ class TorchGPT(nn.Module):
         return logits, loss
 
 
-def modern_config(config: GPTConfig) -> ModernConfig:
-    """The :class:`ModernConfig` of ``config``'s vocabulary, context, depth, heads, width and dropout.
+def modern_config(config: GPTConfig) -> DecoderConfig:
+    """The :meth:`DecoderConfig.llama` of ``config``'s vocabulary, context, depth, heads, width and dropout.
 
-    Key/value heads as ``config.kv_heads`` (all of them for MHA); SwiGLU width ``8/3 · d_model``
+    Key/value heads as ``config.n_kv_heads`` (all of them for MHA); SwiGLU width ``8/3 · d_model``
     rounded up to a multiple of 8 (about the GELU MLP's parameters); head tied to the embedding,
-    as the GPT's; no biases (Llama).
+    as the GPT's; no biases (Llama); RMSNorm's eps 1e-6, as in the committed ``bench_modern.json``
+    (attnlib 1.x's ``ModernConfig``, whose defaults these are).
     """
-    return ModernConfig(vocab_size=config.vocab_size, block_size=config.block_size, n_layers=config.n_layers,
-                        n_heads=config.n_heads, d_model=config.d_model, n_kv_heads=config.kv_heads,
-                        dropout=config.dropout, tie_embeddings=True)
+    return DecoderConfig.llama(vocab_size=config.vocab_size, block_size=config.block_size, n_layers=config.n_layers,
+                               n_heads=config.n_heads, d_model=config.d_model, n_kv_heads=config.n_kv_heads,
+                               dropout=config.dropout, norm_eps=1e-6, tie_embeddings=True)
 
 
 def _step_fn(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor, lr: float):
@@ -127,13 +126,13 @@ def train_rows(
         warmup: untimed steps of each model first.
         seed: for the weights and the batch.
         threads: ``torch.set_num_threads`` for the run (``None``: as it is).
-        modern: also time :class:`attnlib.ModernDecoder` of :func:`modern_config` (chapter 16).
+        modern: also time the :class:`attnlib.Decoder` of :func:`modern_config` (chapter 16).
 
     Returns:
         Dicts with ``size, n_layers, n_heads, d_model, block_size, vocab_size, batch,
         parameters`` (attnlib's, tied head counted once), ``torch_parameters``,
         ``attnlib_ms``, ``torch_ms`` and ``ratio`` (attnlib / torch); with ``modern`` also
-        ``modern_parameters``, ``modern_ms`` and ``modern_ratio`` (ModernDecoder / attnlib's GPT),
+        ``modern_parameters``, ``modern_ms`` and ``modern_ratio`` (the Llama-style decoder / attnlib's GPT),
         and ``nope_ms``, ``nope_ratio`` for the same decoder without RoPE.
     """
     with using_threads(threads):
@@ -153,10 +152,10 @@ def _train_rows(sizes, device, dtype, repeats, warmup, seed, modern=False):
         steps = {"attnlib": _step_fn(ours, idx, targets, 1e-4), "torch": _step_fn(theirs, idx, targets, 1e-4)}
         if modern:
             torch.manual_seed(seed)
-            decoder = ModernDecoder(modern_config(config)).to(device, dtype).train()
+            decoder = Decoder(modern_config(config)).to(device, dtype).train()
             steps["modern"] = _step_fn(decoder, idx, targets, 1e-4)
             torch.manual_seed(seed)
-            unrotated = ModernDecoder(modern_config(config).replace(position="nope")).to(device, dtype).train()
+            unrotated = Decoder(modern_config(config).replace(position="nope")).to(device, dtype).train()
             steps["nope"] = _step_fn(unrotated, idx, targets, 1e-4)
         seconds = time_calls(steps, repeats=repeats, warmup=warmup)
         extra = {} if not modern else dict(modern_parameters=decoder.num_parameters(),
@@ -195,9 +194,9 @@ COLUMNS = [
 MODERN_COLUMNS = [
     ("size", "model", "s"),
     ("parameters", "GPT parameters", ",d"),
-    ("modern_parameters", "ModernDecoder parameters", ",d"),
+    ("modern_parameters", "Llama decoder parameters", ",d"),
     ("attnlib_ms", "GPT ms", ".1f"),
-    ("modern_ms", "ModernDecoder ms", ".1f"),
+    ("modern_ms", "Llama decoder ms", ".1f"),
     ("modern_ratio", "ratio", ".3f"),
     ("nope_ratio", "ratio without RoPE", ".3f"),
 ]
@@ -219,10 +218,11 @@ def format_train(rows: list[dict], settings: dict | None = None) -> str:
     worst = max(rows, key=lambda r: r["ratio"])
     parts.append(f"\nattnlib's GPT at {worst['ratio']:.3f}x the TransformerEncoderLayer GPT at worst ({worst['size']}).")
     if all("modern_ms" in row for row in rows):
-        parts.append("\nModernDecoder (RoPE, RMSNorm, SwiGLU 8/3 d_model, tied head, no biases) at the same "
-                     "width, depth, heads and batch; ratio = ModernDecoder / attnlib's GPT (target <= 1.05); "
+        parts.append("\nLlama decoder (Decoder(DecoderConfig.llama(...)): RoPE, RMSNorm, SwiGLU 8/3 d_model, tied head, "
+                     "no biases) at the same width, depth, heads and batch; ratio = Llama decoder / attnlib's GPT "
+                     "(target <= 1.05); "
                      "without RoPE: the same decoder with position='nope', over attnlib's GPT.")
         parts.append(format_table(rows, MODERN_COLUMNS))
         worst = max(rows, key=lambda r: r["modern_ratio"])
-        parts.append(f"\nModernDecoder at {worst['modern_ratio']:.3f}x attnlib's GPT at worst ({worst['size']}).")
+        parts.append(f"\nThe Llama decoder at {worst['modern_ratio']:.3f}x attnlib's GPT at worst ({worst['size']}).")
     return "\n".join(parts)

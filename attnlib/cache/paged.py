@@ -257,7 +257,15 @@ class PagedKVCache(KVCache):
 
     @classmethod
     def for_model(cls, model, n_pages: int, page_size: int = 16) -> PagedKVCache:
-        """An empty paged cache for ``model``; windowed layers keep every position (the window is a mask)."""
+        """An empty paged cache for ``model``; windowed layers keep every position (the window is a mask).
+
+        Raises:
+            ValueError: a layer that keeps a recurrent state (a linear layer), which pages do not hold.
+        """
+        for i, block in enumerate(model.blocks):
+            if block.attn.cache_width == 0:
+                raise ValueError(f"layer {i} ({type(block.attn).__name__}) keeps a recurrent state, not keys and "
+                                 "values: a paged cache cannot serve it")
         return cls(model.config.n_layers, model.config.block_size, n_pages, page_size)
 
     def add_sequence(self) -> int:

@@ -22,6 +22,7 @@ class _KeptCache(LayerCache):
     def __init__(self, block_size: int, capacity: int) -> None:
         super().__init__(block_size)
         self._capacity = capacity
+        self._key_positions = torch.empty(0, dtype=torch.long)  # of the keys the last update returned
 
     @property
     def capacity(self) -> int:
@@ -30,16 +31,34 @@ class _KeptCache(LayerCache):
     def slots(self, positions: torch.Tensor) -> torch.Tensor:
         return positions % self.capacity
 
+    def held(self, length: int) -> torch.Tensor:
+        """A ring of ``capacity`` slots holds the last ``capacity`` positions written."""
+        return torch.arange(max(0, length - self.capacity), length)
+
+    @property
+    def key_positions(self) -> torch.Tensor:
+        return self._key_positions
+
+    def reset(self) -> None:
+        super().reset()
+        self._key_positions = torch.empty(0, dtype=torch.long)
+
+    def still_held(self, fresh: torch.Tensor, end: int) -> torch.Tensor:
+        """Which of the new positions ``fresh`` the slots still hold once ``end`` positions are written (bool)."""
+        return fresh >= end - self.capacity
+
     def store(self, new: tuple[torch.Tensor, ...], start: int) -> tuple[torch.Tensor, ...]:
-        end = start + new[0].shape[-2]
-        past = self.slots(self.needed(start))
-        fresh = torch.arange(start, end)
-        keep = fresh[torch.isin(fresh, self.held(end))]  # the new positions still held once all are written
+        end, device = start + new[0].shape[-2], new[0].device
+        needed, fresh = self.needed(start), torch.arange(start, end)
+        self._key_positions = torch.cat([needed, fresh])
+        past = self.slots(needed).to(device)
+        keep = fresh[self.still_held(fresh, end)]  # only these can be needed again: the rest would be overwritten
+        slots, rows = self.slots(keep).to(device), (keep - start).to(device)
         out = []
         for i, t in enumerate(new):
             buffer = self.buffer(i, t)
-            out.append(torch.cat([buffer.index_select(-2, past.to(t.device)), t], dim=-2))  # (..., n_past + T_new, w)
-            buffer.index_copy_(buffer.dim() - 2, self.slots(keep).to(t.device), t[..., keep - start, :])
+            out.append(torch.cat([buffer.index_select(-2, past), t], dim=-2))  # (..., n_past + T_new, w)
+            buffer.index_copy_(buffer.dim() - 2, slots, t.index_select(-2, rows))
         return tuple(out)
 
     def check_room(self, end: int) -> None:
@@ -71,17 +90,13 @@ class RingLayerCache(_KeptCache):
         super().__init__(block_size, window)
         self.window = window
 
-    def held(self, length: int) -> torch.Tensor:
-        return torch.arange(max(0, length - self.window), length)
-
     def needed(self, length: int) -> torch.Tensor:
         return torch.arange(max(0, length - self.window + 1), length)
 
     def check_layer(self, layer, masked: bool) -> None:
-        own = getattr(layer, "sliding_window", None)
-        if own is None or own > self.window:
+        if getattr(layer, "sliding_window", None) is None or layer.sliding_window > self.window:
             raise ValueError(f"a ring cache of window={self.window} drops keys this layer "
-                             f"(sliding_window={own}) still attends to")
+                             f"(sliding_window={getattr(layer, 'sliding_window', None)}) still attends to")
 
 
 class SinkLayerCache(_KeptCache):
@@ -133,6 +148,9 @@ class SinkLayerCache(_KeptCache):
         sinks = torch.arange(min(length, self.n_sink))
         return torch.cat([sinks, torch.arange(min(length, max(self.n_sink, length - self.window)), length)])
 
+    def still_held(self, fresh: torch.Tensor, end: int) -> torch.Tensor:
+        return (fresh < self.n_sink) | (fresh >= end - self.window)
+
     def needed(self, length: int) -> torch.Tensor:
         sinks = torch.arange(min(length, self.n_sink))
         return torch.cat([sinks, torch.arange(min(length, max(self.n_sink, length - self.window + 1)), length)])
@@ -161,7 +179,8 @@ class ChunkedLayerCache(_KeptCache):
 
     Raises:
         ValueError: as :class:`~attnlib.cache.layer.LayerCache`; a chunk size that is not an int >= 1;
-            in :meth:`check_layer`, a layer with another chunk size (or none).
+            in :meth:`check_layer`, a layer with another chunk size (or none), or a padding mask (each
+            left-padded row's chunks would start at another column).
     """
 
     def __init__(self, block_size: int, chunk_size: int) -> None:
@@ -169,14 +188,13 @@ class ChunkedLayerCache(_KeptCache):
         super().__init__(block_size, chunk_size)
         self.chunk_size = chunk_size
 
-    def held(self, length: int) -> torch.Tensor:
-        return torch.arange(max(0, length - self.chunk_size), length)
-
     def needed(self, length: int) -> torch.Tensor:
         return torch.arange(length - length % self.chunk_size, length)
 
     def check_layer(self, layer, masked: bool) -> None:
-        own = getattr(layer, "chunk_size", None)
-        if own != self.chunk_size:
+        if getattr(layer, "chunk_size", None) != self.chunk_size:
             raise ValueError(f"a chunked cache of chunk_size={self.chunk_size} does not fit a layer with "
-                             f"chunk_size={own}")
+                             f"chunk_size={getattr(layer, 'chunk_size', None)}")
+        if masked:
+            raise ValueError("masks are not supported with a chunked cache: with left padding each row's chunks "
+                             "start at another column (use a full cache, model.new_cache(windows=False))")

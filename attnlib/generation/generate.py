@@ -82,7 +82,8 @@ def generate(
     if idx.shape[0] == 0:
         return idx
     mask = attention_mask
-    cache = model.new_cache() if use_cache else None
+    # With padding, each row's chunks start at another column: every layer keeps every position then.
+    cache = model.new_cache(windows=mask is None) if use_cache else None
     finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
     fill = torch.zeros(idx.shape[0], dtype=torch.long, device=idx.device)  # what a finished row repeats
     n_new = idx.shape[1]

@@ -64,6 +64,37 @@ class LayerNorm(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """``x · rsqrt(mean(x²) + eps) · γ`` with its backward written out: one autograd node, not six.
+
+    The forward is the formula of :class:`RMSNorm`, op for op (the same bits as ``transformers``'
+    Llama/Qwen3 RMSNorm). With ``x̂ = x·r``, ``r = rsqrt(mean(x²) + eps)`` and ``g`` the gradient of the
+    output, ``∂/∂γ = Σ g ⊙ x̂`` and ``∂/∂x = r · (g γ - x̂ · mean(g γ ⊙ x̂))``: the projection of ``gγ`` off
+    ``x̂`` (the rescaling cannot change the output's root mean square), computed in a handful of ops
+    where autograd would go back through each step. Second derivatives (``create_graph=True``)
+    recompute ``r`` and ``x̂`` from ``x``, so that they too are exact.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        r = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)  # (..., 1)
+        x_hat = x * r
+        ctx.save_for_backward(x, weight, r, x_hat)
+        ctx.eps = eps
+        return x_hat * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, r, x_hat = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: r and x̂ as functions of x, for second derivatives
+            r = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + ctx.eps)
+            x_hat = x * r
+        g = grad * weight
+        dx = (g - x_hat * (g * x_hat).mean(dim=-1, keepdim=True)) * r
+        dweight = (grad * x_hat).sum_to_size(weight.shape) if ctx.needs_input_grad[1] else None
+        return dx, dweight, None
+
+
 class RMSNorm(nn.Module):
     """``x / sqrt(mean(x²) + eps) · γ`` over the last dimension (Zhang & Sennrich 2019, eq. 4).
 
@@ -92,4 +123,5 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.d)
-        return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.weight
+        # x * rsqrt(mean(x²) + eps) * weight, with its backward written out (see _RMSNormFunction)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)

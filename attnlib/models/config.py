@@ -231,6 +231,8 @@ class DecoderConfig:
             raise ValueError("attention='talking_heads' mixes raw scores itself: it takes no ALiBi or attn_softcap")
         if self.attn_fn not in ATTENTION_FUNCTIONS:
             raise ValueError(f"attn_fn={self.attn_fn!r} is not one of {sorted(ATTENTION_FUNCTIONS)}")
+        if self.dropout and self.attn_fn in ("tiled", "flash"):
+            raise ValueError(f"dropout={self.dropout} needs attn_fn='eager' or 'sdpa' ({self.attn_fn!r} has no dropout)")
         if self.score_mods() and self.attn_fn in ("sdpa", "flash"):
             raise ValueError(f"attn_fn={self.attn_fn!r} cannot modify scores (ALiBi / attn_softcap): use 'eager' or 'tiled'")
         if self.position == "rope":

@@ -10,7 +10,6 @@ config asks for it), a norm and a feed-forward block, pre-norm or "sandwich". GP
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -264,27 +263,16 @@ class Decoder(nn.Module):
         return KVCache.for_model(self, windows)
 
     @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        generator: torch.Generator | None = None,
-        use_cache: bool = True,
-        stop_tokens: int | Iterable[int] | torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Extend ``idx`` by up to ``max_new_tokens`` tokens, one at a time (chapters 08, 12).
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, **settings) -> torch.Tensor:
+        """Extend ``idx`` ``(B, T)`` by up to ``max_new_tokens`` tokens, one at a time (chapters 08, 12).
 
         The loop is :func:`attnlib.generation.generate`, shared with every decoder of the library; see it
-        for the arguments, returns and errors. Runs in eval mode; the modes are restored afterwards.
+        for the settings (``temperature``, ``top_k``, ``top_p``, ``generator``, ``use_cache``,
+        ``stop_tokens``, ``attention_mask``), the returns and the errors. Runs in eval mode; the modes
+        are restored afterwards.
         """
         with eval_mode(self):
-            return generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            generator=generator, use_cache=use_cache, stop_tokens=stop_tokens,
-                            attention_mask=attention_mask)
+            return generate(self, idx, max_new_tokens, **settings)
 
 
 #: Chapter 12's name for the decoder: a :class:`Decoder` (with :data:`~attnlib.models.config.GPTConfig`'s

@@ -45,7 +45,7 @@ class TargetAttention(nn.Module):
     activation is not implemented. The released code also divides the scores by
     :math:`\sqrt{d}` before its softmax; here the last linear layer learns any such scale.
 
-    Padded behaviours (``mask`` False) get weight exactly 0 in both modes and their values never
+    Padded behaviours (``attention_mask`` False) get weight exactly 0 in both modes and their values never
     reach the output; a user with no real behaviour gets the zero vector, never NaN.
 
     Args:
@@ -92,7 +92,7 @@ class TargetAttention(nn.Module):
         e = candidate.unsqueeze(1).expand_as(behaviours)  # (B, d) -> (B, 1, d) -> (B, T, d), a view, no copy
         return torch.cat([e, behaviours, e * behaviours, e - behaviours], dim=-1)  # (B, T, 4d)
 
-    def _check(self, candidate: torch.Tensor, behaviours: torch.Tensor, mask: torch.Tensor | None) -> None:
+    def _check(self, candidate: torch.Tensor, behaviours: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         for name, t in (("candidate", candidate), ("behaviours", behaviours)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
@@ -114,15 +114,15 @@ class TargetAttention(nn.Module):
             raise ValueError(
                 f"candidate and behaviours must have the same B; got {candidate.shape[0]} and {behaviours.shape[0]}"
             )
-        if mask is not None:
-            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-                got = getattr(mask, "dtype", type(mask).__name__)
-                raise TypeError(f"mask must be a boolean tensor (True = real behaviour); got {got}")
-            if mask.device != behaviours.device:
-                raise ValueError(f"mask is on {mask.device} but behaviours are on {behaviours.device}")
-            if tuple(mask.shape) != tuple(behaviours.shape[:2]):
+        if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
+                got = getattr(attention_mask, "dtype", type(attention_mask).__name__)
+                raise TypeError(f"attention_mask must be a boolean tensor (True = real behaviour); got {got}")
+            if attention_mask.device != behaviours.device:
+                raise ValueError(f"attention_mask is on {attention_mask.device} but behaviours are on {behaviours.device}")
+            if tuple(attention_mask.shape) != tuple(behaviours.shape[:2]):
                 raise ValueError(
-                    f"mask must have shape (B, T) = {tuple(behaviours.shape[:2])}; got {tuple(mask.shape)}"
+                    f"attention_mask must have shape (B, T) = {tuple(behaviours.shape[:2])}; got {tuple(attention_mask.shape)}"
                 )
 
     def scores(self, candidate: torch.Tensor, behaviours: torch.Tensor) -> torch.Tensor:
@@ -133,7 +133,7 @@ class TargetAttention(nn.Module):
         self,
         candidate: torch.Tensor,
         behaviours: torch.Tensor,
-        mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
         return_weights: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Pool ``behaviours`` with weights computed against ``candidate``.
@@ -141,7 +141,7 @@ class TargetAttention(nn.Module):
         Args:
             candidate: ``(B, d_embed)`` float, the item being scored.
             behaviours: ``(B, T, d_embed)`` float, the user's behaviour sequence, padded to ``T``.
-            mask: optional ``(B, T)`` bool, ``True`` = a real behaviour (``None``: all real).
+            attention_mask: optional ``(B, T)`` bool, ``True`` = a real behaviour (``None``: all real).
             return_weights: also return the weights ``(B, T)`` (0 at padded positions).
 
         Returns:
@@ -149,17 +149,17 @@ class TargetAttention(nn.Module):
 
         Raises:
             TypeError / ValueError: bad shapes or dtypes (also a dtype other than the module's, both named),
-                a device other than the module's, a batch mismatch, a non-boolean mask.
+                a device other than the module's, a batch mismatch, a non-boolean attention_mask.
         """
-        self._check(candidate, behaviours, mask)
-        if mask is None:
-            mask = torch.ones(behaviours.shape[:2], dtype=torch.bool, device=behaviours.device)
+        self._check(candidate, behaviours, attention_mask)
+        if attention_mask is None:
+            attention_mask = torch.ones(behaviours.shape[:2], dtype=torch.bool, device=behaviours.device)
         # Zero the padded behaviours first: whatever they hold (even inf or NaN) can then reach nothing.
-        behaviours = behaviours.masked_fill(~mask.unsqueeze(-1), 0.0)  # (B, T, d)
+        behaviours = behaviours.masked_fill(~attention_mask.unsqueeze(-1), 0.0)  # (B, T, d)
         scores = self.scores(candidate, behaviours)  # (B, T)
         if self.mode == "din":
-            weights = scores.masked_fill(~mask, 0.0)
+            weights = scores.masked_fill(~attention_mask, 0.0)
         else:  # a row with no real behaviour gets zero weights, not NaN
-            weights = masked_softmax(scores, mask)  # (B, T)
+            weights = masked_softmax(scores, attention_mask)  # (B, T)
         pooled = (weights.unsqueeze(1) @ behaviours).squeeze(1)  # (B, 1, T) @ (B, T, d) -> (B, 1, d) -> (B, d)
         return (pooled, weights) if return_weights else pooled

@@ -18,21 +18,12 @@ from attnlib.models.decoder import GPT
 
 __all__ = ["config_from_hf", "from_hf_gpt2", "hf_gpt2_key_map", "parameter_breakdown", "saved_activation_bytes"]
 
-# attnlib name (per block) -> (Hugging Face name, transpose?)
-_BLOCK_KEYS = {
-    "ln_1.weight": ("ln_1.weight", False),
-    "ln_1.bias": ("ln_1.bias", False),
-    "attn.qkv.weight": ("attn.c_attn.weight", True),
-    "attn.qkv.bias": ("attn.c_attn.bias", False),
-    "attn.out_proj.weight": ("attn.c_proj.weight", True),
-    "attn.out_proj.bias": ("attn.c_proj.bias", False),
-    "ln_2.weight": ("ln_2.weight", False),
-    "ln_2.bias": ("ln_2.bias", False),
-    "mlp.fc.weight": ("mlp.c_fc.weight", True),
-    "mlp.fc.bias": ("mlp.c_fc.bias", False),
-    "mlp.proj.weight": ("mlp.c_proj.weight", True),
-    "mlp.proj.bias": ("mlp.c_proj.bias", False),
-}
+# attnlib module (per block) -> (Hugging Face module, whether its weight is a transposed Conv1D)
+_BLOCK_MODULES = {"ln_1": ("ln_1", False), "attn.qkv": ("attn.c_attn", True), "attn.out_proj": ("attn.c_proj", True),
+                  "ln_2": ("ln_2", False), "mlp.fc": ("mlp.c_fc", True), "mlp.proj": ("mlp.c_proj", True)}
+# attnlib name (per block) -> (Hugging Face name, transpose?): a weight and a bias per module, biases never transposed
+_BLOCK_KEYS = {f"{ours}.{kind}": (f"{theirs}.{kind}", transpose and kind == "weight")
+               for ours, (theirs, transpose) in _BLOCK_MODULES.items() for kind in ("weight", "bias")}
 
 
 def hf_gpt2_key_map(n_layers: int) -> dict[str, tuple[str, bool]]:

@@ -55,8 +55,7 @@ def _int_field(get, name: str, *, optional: bool = False) -> int | None:
 
 def _qwen3_layers(get, n_layers: int) -> tuple[tuple[str, ...], int | None]:
     """Qwen3's ``layer_types`` and window, as ``transformers`` builds them: given, or layers from
-    ``max_window_layers`` on slide when ``use_sliding_window``. A sliding layer without a window attends to
-    everything in ``transformers`` (its window is ``None``): it is a full layer here."""
+    ``max_window_layers`` on slide when ``use_sliding_window``."""
     window = get("sliding_window", None) if _flag(get, "use_sliding_window") else None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"sliding_window={window!r} must be an int >= 1 (the config's sliding_window)")
@@ -70,8 +69,10 @@ def _qwen3_layers(get, n_layers: int) -> tuple[tuple[str, ...], int | None]:
     if len(types) != n_layers or not set(types) <= {"sliding_attention", "full_attention"}:
         raise ValueError(f"cannot reproduce layer_types={types!r}: expected {n_layers} of 'full_attention' / "
                          "'sliding_attention'")
-    if window is None:
-        types = ["full_attention"] * n_layers
+    if window is None and "sliding_attention" in types:
+        raise ValueError(f"layer_types={types!r} has sliding layers but no window (use_sliding_window="
+                         f"{get('use_sliding_window', None)!r}, sliding_window={get('sliding_window', None)!r}); "
+                         "transformers cannot run such a config either")
     return tuple(types), window if "sliding_attention" in types else None
 
 

@@ -35,7 +35,32 @@ __all__ = ["DecoderLayer", "EncoderLayer", "FeedForward", "Transformer"]
 StopTokens = int | Iterable[int] | torch.Tensor | None
 
 
-class EncoderLayer(nn.Module):
+class _Layer(nn.Module):
+    """The sublayers of an encoder or decoder layer (the decoder's causal, with cross-attention), built in one place."""
+
+    decoder = False
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float = 0.0,
+        norm_first: bool = True,
+        gelu_approximate: str = "none",
+    ) -> None:
+        super().__init__()
+        self.norm_first = norm_first
+        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout=dropout, causal=self.decoder)
+        if self.decoder:
+            self.cross_attn = MultiHeadAttention(d_model, n_heads, dropout=dropout, causal=False)
+        self.ff = FeedForward(d_model, d_ff, dropout, gelu_approximate)
+        self.norm_1, self.norm_2 = LayerNorm(d_model), LayerNorm(d_model)
+        if self.decoder:
+            self.norm_3 = LayerNorm(d_model)
+
+
+class EncoderLayer(_Layer):
     """One encoder layer: bidirectional self-attention, then feed-forward, each in a residual block.
 
     Args:
@@ -47,21 +72,6 @@ class EncoderLayer(nn.Module):
         ``forward(x (B, T_src, d_model), attention_mask (B, T_src) bool, True = real token)`` → ``(B, T_src, d_model)``.
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        d_ff: int,
-        dropout: float = 0.0,
-        norm_first: bool = True,
-        gelu_approximate: str = "none",
-    ) -> None:
-        super().__init__()
-        self.norm_first = norm_first
-        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout=dropout, causal=False)
-        self.ff = FeedForward(d_model, d_ff, dropout, gelu_approximate)
-        self.norm_1, self.norm_2 = LayerNorm(d_model), LayerNorm(d_model)
-
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         # padding keys are hidden from every query (True = real token)
         if self.norm_first:
@@ -71,7 +81,7 @@ class EncoderLayer(nn.Module):
         return self.norm_2(x + self.ff(x))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(_Layer):
     """One decoder layer: causal self-attention, cross-attention to the encoder output, feed-forward.
 
     Args: as :class:`EncoderLayer`.
@@ -82,21 +92,7 @@ class DecoderLayer(nn.Module):
         Target position ``t`` sees target positions ``<= t`` and every real source position.
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        d_ff: int,
-        dropout: float = 0.0,
-        norm_first: bool = True,
-        gelu_approximate: str = "none",
-    ) -> None:
-        super().__init__()
-        self.norm_first = norm_first
-        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout=dropout, causal=True)
-        self.cross_attn = MultiHeadAttention(d_model, n_heads, dropout=dropout, causal=False)
-        self.ff = FeedForward(d_model, d_ff, dropout, gelu_approximate)
-        self.norm_1, self.norm_2, self.norm_3 = LayerNorm(d_model), LayerNorm(d_model), LayerNorm(d_model)
+    decoder = True
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor,
                 encoder_attention_mask: torch.Tensor | None = None) -> torch.Tensor:

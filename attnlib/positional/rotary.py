@@ -50,14 +50,15 @@ class _Rotation(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(cos, signed_sin)
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                back_sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, signed_sin, back_sin)  # back_sin = -signed_sin, computed once per model step
         return turn(x, cos, signed_sin)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        cos, signed_sin = ctx.saved_tensors
-        return _Rotation.apply(grad, cos, -signed_sin), None, None  # turned back by -θ (differentiable again)
+        cos, signed_sin, back_sin = ctx.saved_tensors
+        return _Rotation.apply(grad, cos, back_sin, signed_sin), None, None, None  # turned back by -θ (differentiable again)
 
 
 class RotaryEmbedding(nn.Module):
@@ -142,7 +143,7 @@ class RotaryEmbedding(nn.Module):
                 to ``x.shape[:-1]``, holding nan/inf, or on the meta device while ``x`` is not; ``x`` on another
                 device than the module's buffers.
         """
-        float_input(x, self.head_dim)
+        float_input(x, self.head_dim, width="head_dim")
         T = x.shape[-2]
         if x.device != self.inv_freq.device:
             raise ValueError(f"x is on {x.device} but this RotaryEmbedding is on {self.inv_freq.device}; "
@@ -157,13 +158,14 @@ class RotaryEmbedding(nn.Module):
                              f"{tuple(x.shape[:-1])} (x without head_dim)")
         if positions.device.type == "meta" and x.device.type != "meta":
             raise ValueError(f"positions are on the meta device (no values) but x is on {x.device}")
-        cos, signed_sin = self.cos_sin(positions.to(x.device), x.dtype)  # (..., T, head_dim) each
+        cos, signed_sin, back_sin = self.cos_sin(positions.to(x.device), x.dtype)  # (..., T, head_dim) each
         if cos.requires_grad or signed_sin.requires_grad:  # angles that learn (not RoPE's): autograd's backward
             return turn(x, cos, signed_sin)
-        return _Rotation.apply(x, cos, signed_sin)
+        return _Rotation.apply(x, cos, signed_sin, back_sin)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of the angles, each repeated for both halves: ``(…, T, head_dim)`` in ``dtype``.
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cos and sin of the angles, each repeated for both halves: ``(…, T, head_dim)`` in ``dtype``;
+        and that sine negated (the turn back, for the backward pass).
 
         The sine is negated in the first half, ``(-sin, sin)``: the sign ``rotate_half`` would put
         on ``x2`` (:func:`turn`). The last result is kept and reused while the positions stay the
@@ -173,13 +175,14 @@ class RotaryEmbedding(nn.Module):
         key = (positions.shape, positions.device, dtype, torch.is_inference_mode_enabled())
         memo = getattr(self, "_cos_sin", None)
         if memo is not None and memo[0] == key and torch.equal(memo[1], positions):
-            return memo[2], memo[3]
+            return memo[2]
         angle = self.angles(positions)  # (..., T, hd/2)
         cos = (angle.cos() * self.attention_factor).to(dtype)  # attention_factor: 1 except for YaRN
         sin = (angle.sin() * self.attention_factor).to(dtype)
         cos, signed_sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # pair i at i and i + hd/2
-        self._cos_sin = (key, positions.clone(), cos, signed_sin)
-        return cos, signed_sin
+        tables = (cos, signed_sin, -signed_sin)  # and the sine of the turn back, for the backward pass
+        self._cos_sin = (key, positions.clone(), tables)
+        return tables
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Same as :meth:`rotate`."""

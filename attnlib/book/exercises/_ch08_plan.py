@@ -6,8 +6,9 @@ import contextlib
 import torch
 from torch import nn
 
-import attnlib.kv_memory
-from attnlib.attention import ATTENTION_REGISTRY
+import attnlib
+import attnlib.cache
+import attnlib.cache.memory
 from attnlib.book.exercises._core import (
     NotSolved,
     Wrong,
@@ -17,21 +18,22 @@ from attnlib.book.exercises._core import (
     expect_close,
 )
 from attnlib.cache import KVCache
-from attnlib.config import GPTConfig
+from attnlib.models.config import GPTConfig
+from attnlib.models.layers import build_attention
 
 _GPT2 = dict(vocab_size=50257, block_size=1024, n_layers=12, n_heads=12, d_model=768)
 _BYTES_CONFIGS = [
-    GPTConfig(),  # the book's small model, multi-head (n_kv_heads None: not given)
+    GPTConfig(),  # the book's small model, multi-head (n_kv_heads not given: n_heads)
     GPTConfig(attention="gqa"),  # GQA without n_kv_heads: one kv head per query head
     GPTConfig(n_kv_heads=2, attention="gqa"),
-    GPTConfig(attention="mqa"),  # one key/value head (n_kv_heads None)
+    GPTConfig(attention="mqa"),  # one key/value head (n_kv_heads not given: 1)
     GPTConfig(n_layers=3, kv_latent_dim=24, attention="mla"),
     GPTConfig(n_layers=2, attention="talking_heads"),
     GPTConfig(n_layers=5, n_heads=8, d_model=64, n_kv_heads=2, attention="gqa"),
     GPTConfig(**_GPT2),  # GPT-2 small
     GPTConfig(**_GPT2, n_kv_heads=4, attention="gqa"),
     GPTConfig(**_GPT2, attention="mqa"),
-    GPTConfig(**_GPT2, attention="mla"),  # kv_latent_dim None: the default d_model // 4
+    GPTConfig(**_GPT2, attention="mla"),  # kv_latent_dim not given: the default d_model // 4
 ]
 _BYTES_CALLS = [
     (1, 1, torch.float32),
@@ -45,15 +47,12 @@ def _measured_bytes_per_token(config: GPTConfig, dtype: torch.dtype) -> int:
     """Bytes one token of one sequence takes in a KVCache, measured on the buffers.
 
     The layers are built on the meta device (shapes, no memory) and each runs on a meta
-    input with its own LayerCache; what they allocate is what is measured.
+    input with the cache it asks for (``layer.new_cache``); what they allocate is what is measured.
     """
     with torch.device("meta"):
-        layers = [
-            ATTENTION_REGISTRY[config.attention](config).to(dtype)
-            for _ in range(config.n_layers)
-        ]
+        layers = [build_attention(config, i).to(dtype) for i in range(config.n_layers)]
         x = torch.empty(1, 2, config.d_model, dtype=dtype)
-    cache = KVCache(config.n_layers, config.block_size)
+    cache = KVCache([layer.new_cache(config.block_size) for layer in layers])
     for layer, layer_cache in zip(layers, cache.layers):
         layer(x, cache=layer_cache)
     return cache.bytes_per_token()
@@ -74,13 +73,18 @@ def _from_config_only():
     def refuse(*args, **kwargs):
         raise _BuiltAModel(message)
 
-    saved = nn.Module.__init__, attnlib.kv_memory.kv_cache_bytes
+    # the estimator under each name the library exports it by
+    modules = (attnlib, attnlib.cache, attnlib.cache.memory)
+    saved = nn.Module.__init__, [m.kv_cache_bytes for m in modules]
     nn.Module.__init__ = refuse
-    attnlib.kv_memory.kv_cache_bytes = refuse
+    for module in modules:
+        module.kv_cache_bytes = refuse
     try:
         yield
     finally:
-        nn.Module.__init__, attnlib.kv_memory.kv_cache_bytes = saved
+        nn.Module.__init__ = saved[0]
+        for module, estimator in zip(modules, saved[1]):
+            module.kv_cache_bytes = estimator
 
 
 @exercise("08.3")
@@ -155,7 +159,7 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
             all_heads = 2 * config.n_heads * config.head_dim * every
             if name == "mqa":
                 mistakes.append(
-                    ("all_heads", all_heads, "MQA has one key/value head (config.kv_heads is 1), not n_heads")
+                    ("all_heads", all_heads, "MQA has one key/value head (config.n_kv_heads is 1), not n_heads")
                 )
             if name == "gqa":
                 mistakes.append(
@@ -165,19 +169,19 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
                 mistakes += [
                     (
                         "mla_twice",
-                        2 * config.latent_dim * every,
+                        2 * config.kv_latent_dim * every,
                         "MLA caches the latent once: keys and values are both decoded from it",
                     ),
                     (
                         "mla_rope",
-                        (config.latent_dim + config.head_dim // 2) * every,
+                        (config.kv_latent_dim + config.head_dim // 2) * every,
                         "attnlib's MLA has no decoupled RoPE key (DeepSeek-V2's d_h^R): it "
-                        "caches config.latent_dim numbers per token and layer",
+                        "caches config.kv_latent_dim numbers per token and layer",
                     ),
                     (
                         "all_heads",
                         all_heads,
-                        "MLA caches only the latent, config.latent_dim numbers per token "
+                        "MLA caches only the latent, config.kv_latent_dim numbers per token "
                         "and layer",
                     ),
                 ]
@@ -201,8 +205,8 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
             raise Wrong(f"{case}: {explained[key]}")
     raise Wrong(
         f"{case}. Numbers per token per layer: 'mha' and 'talking_heads' "
-        "2*n_heads*head_dim, 'gqa' 2*kv_heads*head_dim, 'mqa' 2*head_dim, "
-        "'mla' latent_dim"
+        "2*n_heads*head_dim, 'gqa' 2*n_kv_heads*head_dim, 'mqa' 2*head_dim, "
+        "'mla' kv_latent_dim"
     )
 
 
@@ -275,7 +279,7 @@ def check_chunked_prefill(chunked_prefill) -> None:
         )
         expect(
             len({id(c) for _, c in calls}) == 1,
-            f"{case}: the chunks went through different caches; create ONE KVCache and "
+            f"{case}: the chunks went through different caches; create ONE KVCache (model.new_cache()) and "
             "pass it to every chunk, so that each chunk sees the chunks before it",
         )
         expect(

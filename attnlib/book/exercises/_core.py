@@ -220,18 +220,30 @@ def expect_close(actual: Any, expected: torch.Tensor, what: str, atol: float = 1
 def call_for_int(fn: Callable[..., Any], args: tuple, case: str, config: Any) -> int:
     """``fn(*args)`` for a learner's byte count: a Python int, or a hint that names the mistake.
 
-    A ``TypeError`` on ``None`` arithmetic means the answer read ``config.n_kv_heads`` /
-    ``config.kv_latent_dim`` (kept as given, ``None`` when not given) instead of the values the
-    layers use, ``config.kv_heads`` / ``config.latent_dim``.
+    Two mistakes with a config are named: reading attnlib 1.x's names ``config.kv_heads`` /
+    ``config.latent_dim`` (an ``AttributeError``: :class:`attnlib.DecoderConfig` resolves the values in
+    use into ``config.n_kv_heads`` / ``config.kv_latent_dim``), and arithmetic on
+    ``config.kv_latent_dim`` for a variant that has no latent (a ``TypeError`` on ``None``: it is
+    ``None`` unless ``attention="mla"``; a dict of every variant's formula evaluates them all).
     """
     try:
         got = fn(*args)
-    except TypeError as e:
-        if "NoneType" in str(e) and None in (config.n_kv_heads, config.kv_latent_dim):
+    except AttributeError as e:
+        renamed = {"kv_heads": "n_kv_heads", "latent_dim": "kv_latent_dim"}
+        if getattr(e, "name", None) in renamed:
             expect(
                 False,
-                f"{case}: your code raised TypeError: {e}. GPTConfig keeps n_kv_heads and kv_latent_dim as "
-                "given, None when not given; the values the layers use are config.kv_heads and config.latent_dim",
+                f"{case}: your code raised AttributeError: {e}. attnlib 2.0's config resolves the values its layers "
+                f"use under the fields' own names: config.{renamed[e.name]}, not config.{e.name}",
+            )
+        raise
+    except TypeError as e:
+        if "NoneType" in str(e) and config.kv_latent_dim is None:
+            expect(
+                False,
+                f"{case}: your code raised TypeError: {e}. config.kv_latent_dim is None for "
+                f"attention={config.attention!r}: only MLA caches a latent. A dict of every variant's formula "
+                "computes them all; compute only the one for config.attention",
             )
         raise
     if got is None:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from attnlib.attention import attention, causal_mask
 from attnlib.book.exercises._core import exercise, expect, expect_close
-from attnlib.functional import attention, causal_mask
 
 __all__ = ["check_decay_average", "check_attend_to_earlier", "check_window_average"]
 

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import attnlib.functional
+import attnlib.attention
+import attnlib.attention.functions
 from attnlib.attention import SelfAttentionV2
 from attnlib.book.exercises._core import Wrong, exercise, expect, expect_close
 
@@ -41,14 +42,14 @@ def _library_attention_forbidden() -> Iterator[None]:
 
         return call
 
-    saved_sdpa, saved_attention = F.scaled_dot_product_attention, attnlib.functional.attention
+    # attnlib.attention re-exports attnlib.attention.functions.attention: refuse it under both names.
+    saved = F.scaled_dot_product_attention, attnlib.attention.attention, attnlib.attention.functions.attention
     F.scaled_dot_product_attention = refuse("F.scaled_dot_product_attention")
-    attnlib.functional.attention = refuse("attnlib.functional.attention")
+    attnlib.attention.attention = attnlib.attention.functions.attention = refuse("attnlib.attention.attention")
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = saved_sdpa
-        attnlib.functional.attention = saved_attention
+        F.scaled_dot_product_attention, attnlib.attention.attention, attnlib.attention.functions.attention = saved
 
 
 def _common_mistake(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -167,7 +168,7 @@ def check_fuse_qkv(fn) -> None:
                 )
                 expect_close(got, wanted[name], f"the {name} block of fused(x) (compared with sa_v2.W_{name}(x))")
             expect_close(
-                attnlib.functional.attention(q, k, v)[0], head(x), "attention on the fused q, k, v (compared with sa_v2(x))"
+                attnlib.attention.attention(q, k, v)[0], head(x), "attention on the fused q, k, v (compared with sa_v2(x))"
             )
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from attnlib.attention import causal_mask, padding_mask
 from attnlib.attention.teaching import CausalAttention, SelfAttentionV2
 from attnlib.book.exercises._core import exercise, expect, expect_close
-from attnlib.functional import causal_mask, padding_mask
 
 __all__ = [
     "check_bottom_right_causal_mask",

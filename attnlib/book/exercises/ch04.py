@@ -18,9 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from attnlib.attention import MultiHeadAttention, MultiHeadAttentionWrapper
+from attnlib.attention import MultiHeadAttention, MultiHeadAttentionWrapper, attention
 from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect, expect_close
-from attnlib.functional import attention
 
 __all__ = ["check_split_into_heads", "check_mha_einsum", "check_mha_without_heads"]
 

@@ -15,10 +15,10 @@ import math
 import torch
 from torch import nn
 
+from attnlib.attention import attention, causal_mask, padding_mask
 from attnlib.attention.multi_head import MultiHeadAttention
 from attnlib.attention.talking_heads import BiasedTalkingHeadsAttention, TalkingHeadsAttention
 from attnlib.book.exercises._core import exercise, expect, expect_close
-from attnlib.functional import attention, causal_mask, padding_mask
 
 __all__ = ["check_talking_heads_weights", "check_leaking_positions", "check_convex_mix"]
 

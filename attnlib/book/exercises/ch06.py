@@ -29,9 +29,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from attnlib.attention import MultiHeadAttention
+from attnlib.attention import MultiHeadAttention, causal_mask
 from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect, expect_close
-from attnlib.functional import causal_mask
 
 __all__ = ["check_repeat_kv", "check_gqa_attention", "check_pool_kv_heads"]
 
@@ -178,7 +177,7 @@ def check_gqa_attention(gqa_attention) -> None:
                 expect(
                     not torch.allclose(got, top_left, atol=1e-5, rtol=1e-4),
                     f"{case}: your causal mask is aligned top-left; the queries are the last T_q positions, so query i "
-                    "sits at T_k - T_q + i (use attnlib.functional.causal_mask(T_q, T_k))",
+                    "sits at T_k - T_q + i (use attnlib.attention.causal_mask(T_q, T_k))",
                 )
             unmasked = _reference(q, k, v, None)
             expect(

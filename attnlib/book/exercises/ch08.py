@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from attnlib.attention import attention, causal_mask
 from attnlib.book.exercises._core import (
     NotSolved,
     Wrong,
@@ -29,7 +30,6 @@ from attnlib.book.exercises._core import (
     expect,
     expect_close,
 )
-from attnlib.functional import attention, causal_mask
 
 __all__ = [
     "check_cached_attention",

@@ -1,6 +1,6 @@
 """Exercise checks for chapter 09 (cross-attention and target attention).
 
-* 09.1 ``cross_attention_weights(q, k, key_padding_mask=None)`` -> ``(B, T_q, T_k)``: one head of cross-attention
+* 09.1 ``cross_attention_weights(q, k, attention_mask=None)`` -> ``(B, T_q, T_k)``: one head of cross-attention
   weights, ``q`` ``(B, T_q, d)``, ``k`` ``(B, T_k, d)``, mask ``(B, T_k)`` bool, True = real key
 * 09.2 ``additive_attention(s, m, W_s, W_m, w, mask=None)`` -> ``(context, weights)``: the additive
   cross-attention of Bahdanau et al. (2015), ``e_ij = w . tanh(W_s s_i + W_m m_j)``, encoder states ``m``
@@ -14,22 +14,22 @@ from __future__ import annotations
 
 import torch
 
+from attnlib.attention import attention
 from attnlib.book.exercises._core import NotSolved, exercise, expect, expect_close
-from attnlib.functional import attention
 
 __all__ = ["check_additive_attention", "check_cross_attention_weights", "check_rank_auc"]
 
 
 # ------------------------------------------------------------------------------------------ 09.1
-def _reference_cross_weights(q, k, key_padding_mask):
-    mask = None if key_padding_mask is None else key_padding_mask[:, None, :]  # (B, T_k) -> (B, 1, T_k)
+def _reference_cross_weights(q, k, attention_mask):
+    mask = None if attention_mask is None else attention_mask[:, None, :]  # (B, T_k) -> (B, 1, T_k)
     v = torch.zeros(*k.shape[:-1], 1)
     return attention(q, k, v, mask)[1]
 
 
 @exercise("09.1")
 def check_cross_attention_weights(fn) -> None:
-    """Check one head of cross-attention weights with a key padding mask against ``attnlib.functional.attention``."""
+    """Check one head of cross-attention weights with a key padding mask against ``attnlib.attention.attention``."""
     g = torch.Generator().manual_seed(91)
     cases = [
         ("T_q=3 queries over T_k=5 keys, no mask", torch.randn(2, 3, 4, generator=g), torch.randn(2, 5, 4, generator=g),
