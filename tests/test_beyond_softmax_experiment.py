@@ -46,6 +46,13 @@ def test_a_gpt_with_its_attention_replaced_is_the_linear_attention_preset(name):
     assert bs.state_bytes(preset) == bs.state_bytes(built) > 0
 
 
+@pytest.mark.parametrize("name", bs.ALL_MODELS)
+def test_committed_model_settings_are_the_configs_this_code_builds(name):
+    recorded = bs.load_results()["model"]
+    config = bs.build_model(name, 0).config.to_dict()
+    assert {k: config[k] for k in recorded} == recorded
+
+
 @pytest.mark.parametrize("seed", bs.load_results()["seeds"])
 @pytest.mark.parametrize("name", bs.ALL_MODELS)
 def test_step_0_losses_of_the_committed_run_are_reproduced(name, seed):

@@ -84,6 +84,19 @@ def test_committed_results_describe_the_models_this_code_builds(committed, varia
     assert run["causal"] == (variant in ca.VARIANTS)
 
 
+def test_committed_model_settings_are_the_configs_this_code_builds(committed):
+    """The file records the shared settings once (the first run also recorded some config defaults): every
+    variant's config has them, compared by ``to_dict()`` on the keys the file records."""
+    recorded = committed["model"]
+    per_variant = {"attention", "n_kv_heads", "kv_latent_dim"}  # the variant's own; the file holds the shared values
+    shared = {k: v for k, v in recorded.items() if k not in per_variant}
+    for variant in (*ca.VARIANTS, *ca.LEAKY_VARIANTS):
+        config = ca.variant_config(variant).to_dict()
+        assert {k: config[k] for k in shared} == shared, variant
+    assert ca.variant_config("gqa").n_kv_heads == recorded["n_kv_heads"]
+    assert ca.variant_config("mla").kv_latent_dim == recorded["kv_latent_dim"]
+
+
 def test_load_results_from_a_path_and_a_missing_path(tmp_path):
     (tmp_path / "r.json").write_text('{"variants": {}}')
     assert ca.load_results(tmp_path / "r.json") == {"variants": {}}
