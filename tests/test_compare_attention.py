@@ -4,8 +4,8 @@ import json
 import pytest
 import torch
 
-from attnlib.attention import ATTENTION_REGISTRY
 from attnlib.book.experiments import compare_attention as ca
+from attnlib.models.layers import ATTENTION_LAYERS
 
 
 def future_moves_past(model, T=16) -> bool:
@@ -18,11 +18,13 @@ def future_moves_past(model, T=16) -> bool:
 
 @pytest.mark.parametrize("variant", [*ca.VARIANTS, *ca.LEAKY_VARIANTS])
 def test_build_model_and_leaks(variant):
-    before = dict(ATTENTION_REGISTRY)
+    before = dict(ATTENTION_LAYERS)
     model = ca.build_model(variant).eval()
-    assert ATTENTION_REGISTRY == before  # leaky classes are never registered
-    assert model.config.attention == ca.LEAKY_BASE.get(variant, variant)
-    assert model.config.n_kv_heads == (2 if variant == "gqa" else None)
+    assert ATTENTION_LAYERS == before  # leaky classes are never registered
+    attention = ca.LEAKY_BASE.get(variant, variant)
+    assert model.config.attention == attention
+    # n_kv_heads is given to gqa only; the others derive it (MQA: 1, the rest: n_heads = 4)
+    assert model.config.n_kv_heads == {"gqa": 2, "mqa": 1}.get(attention, 4)
     assert model.config.kv_latent_dim == (16 if variant == "mla" else None)
     if variant in ca.LEAKY_VARIANTS:
         assert all(type(block.attn) is ca.LEAKY_VARIANTS[variant] for block in model.blocks)
@@ -80,6 +82,19 @@ def test_committed_results_describe_the_models_this_code_builds(committed, varia
     assert run["parameters"] == model.num_parameters()
     assert run["kv_cache_bytes_per_token"] == model.kv_cache_bytes_per_token()
     assert run["causal"] == (variant in ca.VARIANTS)
+
+
+def test_committed_model_settings_are_the_configs_this_code_builds(committed):
+    """The file records the shared settings once (the first run also recorded some config defaults): every
+    variant's config has them, compared by ``to_dict()`` on the keys the file records."""
+    recorded = committed["model"]
+    per_variant = {"attention", "n_kv_heads", "kv_latent_dim"}  # the variant's own; the file holds the shared values
+    shared = {k: v for k, v in recorded.items() if k not in per_variant}
+    for variant in (*ca.VARIANTS, *ca.LEAKY_VARIANTS):
+        config = ca.variant_config(variant).to_dict()
+        assert {k: config[k] for k in shared} == shared, variant
+    assert ca.variant_config("gqa").n_kv_heads == recorded["n_kv_heads"]
+    assert ca.variant_config("mla").kv_latent_dim == recorded["kv_latent_dim"]
 
 
 def test_load_results_from_a_path_and_a_missing_path(tmp_path):
@@ -251,3 +266,36 @@ def test_command_line_refuses_repeated_or_negative_seeds(capsys, no_training):
             ca.main(argv)
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err.splitlines()[-1]
+
+
+# ------------------------------------------------------------------ the committed run is reproduced
+
+@pytest.mark.parametrize("variant", [*ca.VARIANTS, *ca.LEAKY_VARIANTS])
+def test_step_0_losses_of_the_committed_run_are_reproduced(committed, variant):
+    """The model built with the committed run's first seed has the losses the file records at step 0: the same
+    initial weights, so the same parameter creation order and initialisation.
+
+    The batches are :func:`attnlib.train.estimate_loss`'s (a generator seeded with seed + 1, as ``train`` passes
+    it), run as one batch of all of them: float32 sums in another order (last bits), hence rel=1e-6; another
+    initialisation moves the loss by more than 1e-3.
+    """
+    import os
+
+    if not os.environ.get("ATTNLIB_DATA_DIR"):
+        pytest.skip("ATTNLIB_DATA_DIR is not set")
+    from attnlib.data import get_batch, load_char_corpus
+
+    training, run = committed["training"], committed["variants"][variant]
+    assert run["steps"][0] == 0 and training["seed"] == committed["seeds"][0]
+    corpus = load_char_corpus()
+    torch.manual_seed(training["seed"])  # as compare() does before building each model
+    model = ca.build_model(variant).eval()
+    B, T, n = training["batch_size"], model.config.block_size, training["eval_iters"]
+    for split, data in (("train", corpus.train), ("val", corpus.val)):
+        g = torch.Generator().manual_seed(training["seed"] + 1)
+        x, y = (torch.cat(t) for t in zip(*(get_batch(data, B, T, g) for _ in range(n))))  # (n * B, T) each
+        with torch.no_grad():
+            logits, _ = model(x)
+        token_losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
+        loss = token_losses.view(n, B * T).mean(dim=1).mean().item()  # the mean of the batches' mean losses
+        assert loss == pytest.approx(run[f"{split}_loss"][0], rel=1e-6, abs=0), split

@@ -4,10 +4,11 @@ import math
 import pytest
 import torch
 
-import attnlib.sampling
+import attnlib.generation
+import attnlib.generation.sampling
 from attnlib import GPT, GPTConfig
 from attnlib.book.exercises import CORRECT, NOT_SOLVED, WRONG, grade
-from attnlib.sampling import sample_next_token, top_k_filter, top_p_filter
+from attnlib.generation import sample_next_token, top_k_filter, top_p_filter
 
 
 # ---------------------------------------------------------------- 12.1
@@ -209,7 +210,11 @@ def top_k_calls_the_library(logits, k):  # the filter imported by name, as the c
 
 
 def top_k_calls_the_module(logits, k):
-    return attnlib.sampling.top_k_filter(logits, k)
+    return attnlib.generation.sampling.top_k_filter(logits, k)
+
+
+def top_k_calls_the_package(logits, k):  # the re-export: attnlib.generation.top_k_filter
+    return attnlib.generation.top_k_filter(logits, k)
 
 
 def top_p_calls_the_library(logits, p):
@@ -226,6 +231,7 @@ def top_p_through_sample_next_token(logits, p):  # reaches top_p_filter inside t
     [
         ("12.2", top_k_calls_the_library),
         ("12.2", top_k_calls_the_module),
+        ("12.2", top_k_calls_the_package),
         ("12.3", top_p_calls_the_library),
         ("12.3", top_p_through_sample_next_token),
     ],
@@ -233,7 +239,8 @@ def top_p_through_sample_next_token(logits, p):  # reaches top_p_filter inside t
 def test_calling_the_library_is_refused(exercise_id, answer):
     verdict = grade(exercise_id, answer)
     assert verdict.status == WRONG and "write the filter by hand" in verdict.detail, str(verdict)
-    assert attnlib.sampling.top_k_filter is top_k_filter and attnlib.sampling.top_p_filter is top_p_filter
+    for module in (attnlib.generation.sampling, attnlib.generation):  # the patches are undone
+        assert module.top_k_filter is top_k_filter and module.top_p_filter is top_p_filter
     assert globals()["top_k_filter"] is top_k_filter  # the patch is undone
 
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from attnlib import MultiHeadAttention, MultiHeadAttentionWrapper, SelfAttentionV1
 from attnlib.book.exercises import CORRECT, NOT_SOLVED, WRONG, grade
-from attnlib.gpt2 import hf_gpt2_key_map
+from attnlib.models.hf_gpt2 import hf_gpt2_key_map
 
 
 def stub(*args, **kwargs):

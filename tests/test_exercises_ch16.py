@@ -6,7 +6,7 @@ import torch
 
 from attnlib import RotaryEmbedding
 from attnlib.book.exercises import CORRECT, NOT_SOLVED, WRONG, ch16, grade
-from attnlib.rope import interleaved_to_half_split
+from attnlib.positional.rotary import interleaved_to_half_split
 
 
 def _verdict(exercise_id, answer, status, phrase=None):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from attnlib.book.exercises import CORRECT, NOT_SOLVED, WRONG, ch19, grade  # noqa: F401  (ch19 registers 19.x)
-from attnlib.speculative import verify_drafts
+from attnlib.generation import verify_drafts
 
 
 # ---------------------------------------------------------------- 19.1

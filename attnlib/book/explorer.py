@@ -34,7 +34,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from attnlib.book import style
-from attnlib.model import GPT
+from attnlib.models import GPT
 
 __all__ = ["AttentionExplorer", "fit_text", "option_label", "plot_attention", "token_labels"]
 

@@ -6,8 +6,7 @@ import math
 import torch
 
 from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect
-from attnlib.config import GPTConfig
-from attnlib.model import GPT
+from attnlib.models import GPT, GPTConfig
 
 #: Two models of different depth, so that the residual scale 1/sqrt(2 n_layers) must be computed.
 _INIT_CONFIGS = (

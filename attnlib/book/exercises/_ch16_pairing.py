@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlib.norms import RMSNorm
+from attnlib.layers.norms import RMSNorm
 
 _NAMES = ("w_q", "w_k", "q_gain", "k_gain")
 _PAIRING_CASES = [  # (n_heads, n_kv_heads, head_dim, d_model)

@@ -17,11 +17,11 @@ from unittest import mock
 
 import torch
 
-import attnlib.sampling
+import attnlib.generation
+import attnlib.generation.sampling
 from attnlib.book.exercises._core import Wrong, exercise, expect
-from attnlib.config import GPTConfig
-from attnlib.model import GPT
-from attnlib.sampling import top_k_filter, top_p_filter
+from attnlib.generation.sampling import top_k_filter, top_p_filter
+from attnlib.models import GPT, GPTConfig
 
 __all__ = ["check_gpt_param_count", "check_top_k_by_hand", "check_top_p_by_hand", "check_min_p_filter"]
 
@@ -126,18 +126,19 @@ def _expect_same_tokens(out: torch.Tensor, logits: torch.Tensor, expected: torch
 def _library_filters_refused(fn):
     """While the answer runs, attnlib's own filters raise :class:`Wrong` (the exercise is to write one).
 
-    Patched where an answer can reach them: the ``attnlib.sampling`` module (so
-    ``sample_next_token(..., top_k=...)`` is refused too) and the answer's own globals (a
-    notebook that imported ``top_k_filter`` by name).
+    Patched where an answer can reach them: the ``attnlib.generation.sampling`` module (so
+    ``sample_next_token(..., top_k=...)`` is refused too), the ``attnlib.generation`` package that
+    re-exports them, and the answer's own globals (a notebook that imported ``top_k_filter`` by name).
     """
     def refuse(*args, **kwargs):
-        raise Wrong("write the filter by hand: your function called attnlib.sampling's top_k_filter or "
+        raise Wrong("write the filter by hand: your function called attnlib.generation's top_k_filter or "
                     "top_p_filter (directly or through sample_next_token)")
 
     library = {top_k_filter, top_p_filter}
     with contextlib.ExitStack() as stack:
-        for name in ("top_k_filter", "top_p_filter"):
-            stack.enter_context(mock.patch.object(attnlib.sampling, name, refuse))
+        for module in (attnlib.generation.sampling, attnlib.generation):
+            for name in ("top_k_filter", "top_p_filter"):
+                stack.enter_context(mock.patch.object(module, name, refuse))
         namespace = getattr(fn, "__globals__", None)
         if isinstance(namespace, dict):
             for name, value in list(namespace.items()):
@@ -153,7 +154,7 @@ def _kept(logits: torch.Tensor) -> torch.Tensor:
 
 @exercise("12.2")
 def check_top_k_by_hand(fn) -> None:
-    """Check top-k filtering against ``attnlib.sampling.top_k_filter``."""
+    """Check top-k filtering against ``attnlib.generation.top_k_filter``."""
     g = torch.Generator().manual_seed(12)
     cases = []
     for logits in _random_logits(g):
@@ -187,7 +188,7 @@ def check_top_k_by_hand(fn) -> None:
 
 @exercise("12.3")
 def check_top_p_by_hand(fn) -> None:
-    """Check nucleus (top-p) filtering against ``attnlib.sampling.top_p_filter``."""
+    """Check nucleus (top-p) filtering against ``attnlib.generation.top_p_filter``."""
     g = torch.Generator().manual_seed(13)
     cases = []
     for logits in _random_logits(g):

@@ -28,9 +28,8 @@ from torch import nn
 
 from attnlib.attention import MultiHeadAttention, MultiHeadAttentionWrapper, SelfAttentionV1, SelfAttentionV2
 from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect, expect_close
-from attnlib.config import GPTConfig
-from attnlib.gpt2 import hf_gpt2_key_map
-from attnlib.model import GPT
+from attnlib.models import GPT, GPTConfig
+from attnlib.models.hf_gpt2 import hf_gpt2_key_map
 
 __all__ = [
     "check_copy_head",

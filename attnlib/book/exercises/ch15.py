@@ -10,7 +10,7 @@
   largest ``T`` whose ``(B, n_heads, T, T)`` scores fit in ``budget_bytes``; checked exactly.
 * 15.3 ``check_causal_tile_kind``: ``causal_tile_kind(q_start, q_end, k_start, k_end, T_q, T_k)``
   says whether a tile of the bottom-right causal mask is ``"skip"`` (all masked), ``"full"``
-  (all visible) or ``"partial"``; checked against :func:`attnlib.functional.causal_mask`.
+  (all visible) or ``"partial"``; checked against :func:`attnlib.attention.masks.causal_mask`.
 * 15.4 ``check_merge_partials``: ``merge_partials(out_a, lse_a, out_b, lse_b)`` combines the
   attention outputs and log-sum-exps of two parts of the keys into those of all the keys (the
   merge of split-key / flash-decoding kernels); checked against attention over all keys, with
@@ -27,6 +27,7 @@ import tracemalloc
 
 import torch
 
+from attnlib.attention.masks import causal_mask
 from attnlib.book.exercises._ch15_stream import (
     _MATERIALIZED_HINT,
     _LiveTensors,
@@ -36,7 +37,6 @@ from attnlib.book.exercises._ch15_stream import (
     _Stream,
 )
 from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect
-from attnlib.functional import causal_mask
 
 __all__ = ["check_online_softmax_stats", "check_longest_context", "check_causal_tile_kind", "check_merge_partials"]
 

@@ -6,7 +6,7 @@
 * 16.2 ``check_to_interleaved``: half-split query/key weights and QK-norm gains converted to
   Meta's interleaved RoPE layout, checked by the attention scores of both conventions.
 * 16.3 ``check_count_parameters``: the parameters of a Llama or Qwen3 config by formula,
-  checked against :class:`attnlib.ModernDecoder` built on the meta device.
+  checked against :class:`attnlib.Decoder` built on the meta device.
 
 Every grader draws its test tensors from a local ``torch.Generator``; ``grade`` runs it inside
 ``torch.random.fork_rng``, so checking an answer never moves the notebook's random state.
@@ -26,8 +26,8 @@ from attnlib.book.exercises._ch16_pairing import (
     _scores,
 )
 from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect
-from attnlib.hf_decoder import config_from_hf_decoder
-from attnlib.modern import ModernDecoder
+from attnlib.models import Decoder
+from attnlib.models.hf_llama import config_from_hf_decoder
 
 __all__ = ["check_count_parameters", "check_swiglu_hidden", "check_to_interleaved"]
 
@@ -204,7 +204,7 @@ _COUNT_CASES = [
 def _reference_count(config: dict) -> int:
     full = dict(config, max_position_embeddings=64, rms_norm_eps=1e-6)
     with torch.device("meta"):
-        return ModernDecoder(config_from_hf_decoder(full, config["model_type"])).num_parameters()
+        return Decoder(config_from_hf_decoder(full, config["model_type"])).num_parameters()
 
 
 def _formula(c: dict) -> int:
@@ -268,7 +268,7 @@ _COUNT_MISTAKES = [
 
 @exercise("16.3")
 def check_count_parameters(count_parameters) -> None:
-    """Check ``count_parameters(config_dict)`` against ModernDecoder on the meta device."""
+    """Check ``count_parameters(config_dict)`` against attnlib's Decoder on the meta device."""
     results = []  # (name, config, got, expected)
     for name, config in _COUNT_CASES:
         given = dict(config)

@@ -76,10 +76,11 @@ def check_ntk_base(ntk_base) -> None:
 # ---------------------------------------------------------------- 17.3
 def _streaming_reference(position: int, window: int, n_sink: int) -> list[int]:
     """Fill a SinkLayerCache token by token (key = its position) and read what the last token sees."""
-    cache = SinkLayerCache(max_len=position + 1, window=window, n_sink=n_sink)
+    cache = SinkLayerCache(block_size=position + 1, window=window, n_sink=n_sink)
     for p in range(position + 1):
-        (keys,) = cache.update(k=torch.full((1, 1, 1), float(p)))
-    visible = cache.visible(1)[0]  # (n_keys,)
+        (keys,) = cache.update(torch.full((1, 1, 1), float(p)))  # (B, T_new, width) = (1, 1, 1)
+    at = cache.key_positions  # (n_keys,) the positions of the returned keys; the query is the last
+    visible = cache.mask_mod(None, None, at[-1:, None], at[None, :])[0]  # the cache's own rule: (n_keys,)
     return sorted(int(k) for k in keys.flatten()[visible].tolist())
 
 
@@ -128,7 +129,7 @@ def check_streaming_keys(streaming_keys) -> None:
 def _held(cache: LayerCache) -> int:
     """Bytes of the positions the cache holds (a ring buffer's all, a plain cache's filled part)."""
     total = 0
-    for buffer in cache.buffers.values():
+    for buffer in cache.buffers:
         n = min(cache.length, buffer.shape[-2])
         total += buffer[..., :n, :].numel() * buffer.element_size()
     return total
@@ -139,7 +140,7 @@ def _measured(windows, n_kv_heads, head_dim, T, dtype, B) -> int:
     for w in windows:
         cache = LayerCache(T) if w is None else RingLayerCache(T, w)
         k = torch.zeros(B, n_kv_heads, T, head_dim, dtype=dtype)
-        cache.update(k=k, v=k.clone())  # the whole context at once (a prefill)
+        cache.update(k, k.clone())  # the whole context at once (a prefill)
         total += _held(cache)
     return total
 

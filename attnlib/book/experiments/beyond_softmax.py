@@ -41,9 +41,8 @@ from attnlib.attention.deltanet import GatedDeltaNet
 from attnlib.attention.linear import LinearAttention
 from attnlib.attention.sparse import GatedAttention
 from attnlib.book.experiments.compare_attention import MODEL, _machine, seed_summary
-from attnlib.config import GPTConfig
 from attnlib.data import load_char_corpus
-from attnlib.model import GPT
+from attnlib.models import GPT, GPTConfig
 from attnlib.train import TrainConfig, estimate_loss, train
 
 __all__ = ["MODELS", "TRAINING", "build_model", "compare", "load_results", "main", "seed_summary", "topk_tradeoff"]
@@ -59,8 +58,13 @@ DEFAULT_OUT = Path("results") / "beyond_softmax.json"
 
 def build_model(name: str, seed: int) -> GPT:
     """Chapter 13's MHA GPT (``name="softmax"``: exactly its initial weights for ``seed``), or the same
-    GPT with every ``block.attn`` replaced by :class:`LinearAttention` / :class:`GatedDeltaNet`
-    and the GPT-2 initialisation redone with ``seed``."""
+    GPT with every ``block.attn`` replaced by :class:`LinearAttention` / :class:`GatedDeltaNet` /
+    :class:`GatedAttention` and the GPT-2 initialisation redone with ``seed``.
+
+    Built this way because it is what made the committed run (the same weights for a seed). The linear
+    and DeltaNet models are the decoder that ``layer_types=("linear_attention",) * n_layers`` with
+    ``linear_layer="linear"`` / ``"gated_deltanet"`` builds: the same parameters, the same logits.
+    """
     if name not in ALL_MODELS:
         raise ValueError(f"name={name!r} is not one of {ALL_MODELS}")
     config = GPTConfig(**SETTINGS, attention="mha")
@@ -69,7 +73,7 @@ def build_model(name: str, seed: int) -> GPT:
     if name != "softmax":
         layer = {"linear": LinearAttention, "deltanet": GatedDeltaNet, "gated": GatedAttention}[name]
         for block in gpt.blocks:
-            block.attn = layer(config.d_model, config.n_heads, block_size=config.block_size, bias=config.bias)
+            block.attn = layer(config.d_model, config.n_heads, block_size=config.block_size, bias=config.attention_bias)
         torch.manual_seed(seed)
         gpt.reset_parameters()
     return gpt

@@ -43,13 +43,13 @@ import torch
 
 import attnlib
 from attnlib import _cli
-from attnlib.attention import ATTENTION_REGISTRY, BiasedTalkingHeadsAttention, MultiHeadAttention
+from attnlib.attention import BiasedTalkingHeadsAttention, MultiHeadAttention
 from attnlib.book import results as results_files
 from attnlib.book.experiments import seeds as _seeds
 from attnlib.book.experiments.seeds import seed_summary
-from attnlib.config import GPTConfig
 from attnlib.data import load_char_corpus
-from attnlib.model import GPT
+from attnlib.models import GPT, GPTConfig
+from attnlib.models.layers import ATTENTION_LAYERS
 from attnlib.train import TrainConfig, train
 
 __all__ = ["MODEL", "TRAINING", "VARIANTS", "LEAKY_VARIANTS", "DEFAULT_OUT", "compare", "load_results", "main",
@@ -73,7 +73,8 @@ class NonCausalSelfAttention(MultiHeadAttention):
 
 #: Models that can see the next token: trained only to show what such a leak looks like.
 LEAKY_VARIANTS = {"talking_heads_biased": BiasedTalkingHeadsAttention, "mha_no_mask": NonCausalSelfAttention}
-#: The registry variant each leaky model is built from (its blocks then get the leaky layer).
+#: The variant of :data:`~attnlib.models.layers.ATTENTION_LAYERS` each leaky model is built from (its blocks
+#: then get the leaky layer).
 LEAKY_BASE = {"talking_heads_biased": "talking_heads", "mha_no_mask": "mha"}
 
 
@@ -84,9 +85,10 @@ def variant_config(variant: str, model: dict | None = None) -> GPTConfig:
     them for a variant they do not describe); a leaky variant gets its base's config.
 
     Raises:
-        ValueError: ``variant`` is neither a registry name nor a key of :data:`LEAKY_VARIANTS`.
+        ValueError: ``variant`` is neither a name of :data:`~attnlib.models.layers.ATTENTION_LAYERS` nor a key of
+            :data:`LEAKY_VARIANTS`.
     """
-    known = (*ATTENTION_REGISTRY, *LEAKY_VARIANTS)
+    known = (*ATTENTION_LAYERS, *LEAKY_VARIANTS)
     if variant not in known:
         raise ValueError(f"variant={variant!r} is not one of {known}")
     settings = {**MODEL, **(model or {})}
@@ -97,7 +99,8 @@ def variant_config(variant: str, model: dict | None = None) -> GPTConfig:
 
 
 def build_model(variant: str, model: dict | None = None) -> GPT:
-    """A GPT whose attention is ``variant`` (a registry name or a key of :data:`LEAKY_VARIANTS`).
+    """A GPT whose attention is ``variant`` (a name of :data:`~attnlib.models.layers.ATTENTION_LAYERS` or a key
+    of :data:`LEAKY_VARIANTS`).
 
     A leaky model is its base variant's GPT whose blocks then get the leaky attention layer,
     starting from exactly the base layer's weights (the GPT-2 initialisation); only what the
@@ -108,7 +111,7 @@ def build_model(variant: str, model: dict | None = None) -> GPT:
     if variant in LEAKY_VARIANTS:
         for block in gpt.blocks:
             leaky = LEAKY_VARIANTS[variant](config.d_model, config.n_heads, block_size=config.block_size,
-                                            dropout=config.dropout, bias=config.bias)
+                                            dropout=config.dropout, bias=config.attention_bias)
             missing, unexpected = leaky.load_state_dict(block.attn.state_dict(), strict=False)
             if unexpected or set(missing) - {"mix_weights_bias"}:  # the one parameter the base lacks
                 raise RuntimeError(f"{variant}: cannot start from {LEAKY_BASE[variant]}'s weights ({missing}, {unexpected})")
@@ -157,7 +160,7 @@ def compare(
     """Train each variant with the same seed and data order; return the results as a dict.
 
     Args:
-        variants: registry names (and/or :data:`LEAKY_VARIANTS` keys).
+        variants: names of :data:`~attnlib.models.layers.ATTENTION_LAYERS` (and/or :data:`LEAKY_VARIANTS` keys).
         training: overrides of :data:`TRAINING` (e.g. ``{"max_iters": 300}`` for a short run).
         model: overrides of :data:`MODEL`.
         device: ``None`` = :func:`attnlib.device`.
@@ -212,7 +215,7 @@ def compare(
                     **run,
                     "parameters": gpt.num_parameters(),
                     "kv_cache_bytes_per_token": gpt.kv_cache_bytes_per_token(torch.float32),
-                    "causal": variant in ATTENTION_REGISTRY,
+                    "causal": variant in ATTENTION_LAYERS,
                     "by_seed": {},
                 }
             results["variants"][variant]["by_seed"][str(seed)] = run
@@ -260,10 +263,10 @@ def format_table(results: dict) -> str:
 
 def _variants(text: str) -> tuple[str, ...]:
     names = tuple(v for v in text.replace(" ", ",").split(",") if v)
-    unknown = [v for v in names if v not in (*ATTENTION_REGISTRY, *LEAKY_VARIANTS)]
+    unknown = [v for v in names if v not in (*ATTENTION_LAYERS, *LEAKY_VARIANTS)]
     if not names or unknown:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected comma-separated names from {(*ATTENTION_REGISTRY, *LEAKY_VARIANTS)}"
+            f"{text!r}: expected comma-separated names from {(*ATTENTION_LAYERS, *LEAKY_VARIANTS)}"
         )
     return names
 
@@ -275,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
     ``error:`` line and exit status 2), so a finished run is never lost to a bad ``--out``.
     """
     p = argparse.ArgumentParser(prog="python -m attnlib.book.experiments.compare_attention", description=main.__doc__)
-    p.add_argument("--variants", type=_variants, default=VARIANTS, help="comma-separated registry names")
+    p.add_argument("--variants", type=_variants, default=VARIANTS, help="comma-separated attention variants")
     p.add_argument("--include-leaky", action="store_true", help=f"also train {', '.join(LEAKY_VARIANTS)}")
     p.add_argument("--max-iters", type=_cli.positive_int, default=TRAINING["max_iters"])
     p.add_argument("--eval-interval", type=_cli.positive_int, default=TRAINING["eval_interval"])

@@ -1,7 +1,7 @@
 """Chapter 17's experiment: how positions generalise past the training context.
 
 ``python -m attnlib.book.experiments.long_context [--max-iters N] [--out FILE]`` trains small
-:class:`attnlib.ModernDecoder` models on Tiny Shakespeare at a short context ``L`` (the same
+:class:`attnlib.Decoder` models (:meth:`~attnlib.DecoderConfig.llama`) on Tiny Shakespeare at a short context ``L`` (the same
 size and optimiser budget as chapter 13's variants: 4 layers, width 64, 4 heads, batch 16)
 with RoPE, ALiBi, learned positions and none ("nope"), then measures:
 
@@ -27,14 +27,22 @@ import torch
 
 from attnlib.cache import KVCache
 from attnlib.data import get_batch, load_char_corpus
-from attnlib.modern import ModernConfig, ModernDecoder
+from attnlib.models import Decoder, DecoderConfig
 from attnlib.train import TrainConfig, train
 
-__all__ = ["POSITION_KINDS", "SCALINGS", "loss_by_position", "main", "rope_scaling_for", "stream_losses"]
+__all__ = ["POSITION_KINDS", "SCALINGS", "loss_by_position", "main", "model_config", "rope_scaling_for", "stream_losses"]
 
 POSITION_KINDS = ("rope", "alibi", "learned", "nope")
 SCALINGS = ("none", "linear", "dynamic", "yarn")
 MODEL = dict(n_layers=4, n_heads=4, d_model=64)
+#: The committed run's models were attnlib 1.x's ``ModernConfig``, whose defaults differ from
+#: :meth:`DecoderConfig.llama`'s in RMSNorm's epsilon; given here with the rest of its choices.
+MODERN = dict(norm_eps=1e-6, tie_embeddings=False, bias=False, dropout=0.0, rope_base=10000.0, qk_norm=False)
+
+
+def model_config(vocab_size: int, block_size: int, position: str) -> DecoderConfig:
+    """The configuration of the model trained with ``position`` at context ``block_size``."""
+    return DecoderConfig.llama(vocab_size=vocab_size, block_size=block_size, position=position, **MODEL, **MODERN)
 
 
 def rope_scaling_for(kind: str, factor: float, trained: int) -> dict | None:
@@ -48,10 +56,10 @@ def rope_scaling_for(kind: str, factor: float, trained: int) -> dict | None:
     return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": trained}
 
 
-def _evaluator(model: ModernDecoder, T: int, scaling: dict | None) -> ModernDecoder:
+def _evaluator(model: Decoder, T: int, scaling: dict | None) -> Decoder:
     """The trained weights in a model of context ``T`` (and RoPE scaling); RoPE's buffers are not weights."""
     config = model.config.replace(block_size=T, rope_scaling=scaling)
-    evaluator = ModernDecoder(config).eval()
+    evaluator = Decoder(config).eval()
     evaluator.load_state_dict(model.state_dict())
     if scaling is not None and scaling["rope_type"] == "dynamic":  # dynamic NTK keys off the trained length
         evaluator.rope.max_position_embeddings = model.config.block_size  # (the layers share this module)
@@ -59,7 +67,7 @@ def _evaluator(model: ModernDecoder, T: int, scaling: dict | None) -> ModernDeco
 
 
 @torch.no_grad()
-def loss_by_position(model: ModernDecoder, data: torch.Tensor, T: int, batches: int = 8, batch_size: int = 8,
+def loss_by_position(model: Decoder, data: torch.Tensor, T: int, batches: int = 8, batch_size: int = 8,
                      seed: int = 0) -> list[float]:
     """Mean cross-entropy (nats) at each position ``0..T-1`` of ``batches`` random windows of ``data``."""
     generator = torch.Generator().manual_seed(seed)
@@ -72,9 +80,9 @@ def loss_by_position(model: ModernDecoder, data: torch.Tensor, T: int, batches: 
 
 
 @torch.no_grad()
-def stream_losses(model: ModernDecoder, tokens: torch.Tensor, window: int, n_sink: int) -> list[float]:
+def stream_losses(model: Decoder, tokens: torch.Tensor, window: int, n_sink: int) -> list[float]:
     """Per-token loss of ``tokens`` (1-D) read one token at a time through a sink (or window-only) cache."""
-    cache = KVCache(model.config.n_layers, len(tokens) + 1, windows=[window] * model.config.n_layers, n_sink=n_sink)
+    cache = KVCache.streaming(model, window=window, n_sink=n_sink, block_size=len(tokens) + 1)
     losses = []
     for t in range(len(tokens) - 1):
         logits = model(tokens[t : t + 1].view(1, 1), cache=cache)[0][0, -1]
@@ -83,7 +91,7 @@ def stream_losses(model: ModernDecoder, tokens: torch.Tensor, window: int, n_sin
 
 
 @torch.no_grad()
-def recompute_losses(model: ModernDecoder, tokens: torch.Tensor) -> list[float]:
+def recompute_losses(model: Decoder, tokens: torch.Tensor) -> list[float]:
     """Per-token loss when every step re-reads the last ``block_size`` tokens from scratch (the reference)."""
     L, losses = model.config.block_size, []
     for t in range(len(tokens) - 1):
@@ -114,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     models = {}
     for kind in kinds:
         torch.manual_seed(args.seed)
-        model = ModernDecoder(ModernConfig(vocab_size=corpus.vocab_size, block_size=L, position=kind, **MODEL))
+        model = Decoder(model_config(corpus.vocab_size, L, kind))
         start = time.perf_counter()
         history = train(model, corpus.train, corpus.val, TrainConfig(max_iters=args.max_iters, eval_interval=500,
                                                                       eval_iters=50, seed=args.seed), progress=False)

@@ -3,7 +3,7 @@
 ``python -m attnlib.book.experiments.speculative [--max-iters N] [--out FILE]`` trains two GPTs on
 Tiny Shakespeare (characters): a target (4 layers, width 128) and a draft (1 layer, width 32), then,
 for prompts from the validation text, measures per ``n_draft`` and temperature: the acceptance rate,
-tokens per target pass, tokens/s of plain decoding and of :func:`attnlib.generate.speculative_generate`
+tokens per target pass, tokens/s of plain decoding and of :func:`attnlib.generation.speculative_generate`
 (one thread; medians of ``--repeats`` rounds alternating the two), and whether greedy output equals the
 target's own. Results go to one JSON file (default:
 the package's ``speculative.json``, read by chapter 19 with ``attnlib.book.results.load("speculative")``).
@@ -18,10 +18,9 @@ import sys
 import torch
 
 from attnlib.bench._common import time_calls
-from attnlib.config import GPTConfig
 from attnlib.data import load_char_corpus
-from attnlib.generate import speculative_generate
-from attnlib.model import GPT
+from attnlib.generation import speculative_generate
+from attnlib.models import GPT, GPTConfig
 from attnlib.train import TrainConfig, train
 
 __all__ = ["DRAFT", "TARGET", "main"]
