@@ -25,6 +25,7 @@ import launch  # noqa: E402  (book/_ext/launch.py, the converter)
 SOURCES = launch.source_notebooks()
 IDS = [f"{p.parent.name}/{p.stem}" for p in SOURCES]
 COPIES = [ROOT / launch.LAUNCH / p.relative_to(ROOT) for p in SOURCES]
+CHAPTERS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 #: Any MyST role, ``{name}`text```, and any directive fence, ```` ```{name} ```` or ``:::{name}``,
 #: whatever the name: a general check, not a list of today's roles.
@@ -182,6 +183,17 @@ def test_the_install_cell_installs_from_the_repository_or_where_told(monkeypatch
     monkeypatch.setenv("ATTNLIB_INSTALL_FROM", "file:///wheels/attnlib-1.0.0-py3-none-any.whl")
     exec(launch.install_cell(["book"]).source, {})
     assert calls[-1][-1] == "attnlib[book] @ file:///wheels/attnlib-1.0.0-py3-none-any.whl"
+
+
+def test_the_readme_links_open_the_launch_copies():
+    """The README's chapter links, and its Colab and Binder links, open launch/ copies that exist."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    local = re.findall(r"\]\(((?:launch/|notebooks/|solutions/)[^)#]*\.ipynb)\)", readme)
+    colab = re.findall(r"colab\.research\.google\.com/github/[^/]+/[^/]+/blob/[^/]+/([^)\s]+\.ipynb)", readme)
+    binder = re.findall(r"mybinder\.org/v2/gh/[^?]+\?urlpath=tree/([^)\s]+\.ipynb)", readme)
+    assert len(colab) == len(binder) == len(CHAPTERS) and len(local) >= len(CHAPTERS)
+    for path in local + colab + binder:
+        assert path.startswith("launch/") and (ROOT / path).is_file(), path
 
 
 # ------------------------------------------------------------------ the conversion, construct by construct
