@@ -8,6 +8,8 @@
   the title of its solution ("Solution to Exercise NN.k") and in every ``{ref}`` to it (issue 12,
   item 2). See :func:`_number_exercises`.
 - ``static/widgets-setup.js``: the ipywidgets embed manager's set-up (listed in _config.yml).
+- One figure number: chapter NN's figures are "Fig. NN.1", "Fig. NN.2", ..., continued on its
+  solutions page (:func:`_number_figures`), as its exercises are numbered NN.k.
 - Launching and downloading give the plain-Jupyter copy of a chapter, ``launch/<page>.ipynb``
   (``make launch``, book/_ext/launch.py), not its MyST source: the Colab and Binder buttons open
   it (:func:`_launch_copies`), and the ``.ipynb`` download is it (:func:`_download_launch_copies`).
@@ -82,6 +84,30 @@ def _number_exercises(app, env) -> list[str]:
     return sorted({entry["docname"] for entry in registry.values()} & env.found_docs)
 
 
+#: A chapter's or a solution page's docname: ``notebooks/NN_...`` or ``solutions/NN_...``.
+CHAPTER_PAGE = re.compile(r"^(notebooks|solutions)/(\d\d)_")
+
+
+def _number_figures(app, env) -> list[str]:
+    """Number the figures of chapter NN as "Fig. NN.1", "Fig. NN.2", ..., in the order of the page,
+    and go on counting on the chapter's solutions page, instead of counting through the whole book
+    ("Fig. 49"). Same mechanism as :func:`_number_exercises` (``env.toc_fignumbers``, right after
+    Sphinx numbered them). Returns the pages whose numbers it set, for Sphinx to write again."""
+    counted: dict[str, int] = {}
+    changed = []
+    for docname in sorted(env.toc_fignumbers, key=lambda d: (d.startswith("solutions/"), d)):
+        match = CHAPTER_PAGE.match(docname)
+        figures = env.toc_fignumbers[docname].get("figure", {})
+        if not match or not figures:
+            continue
+        chapter = match[2]
+        for node_id, _ in sorted(figures.items(), key=lambda item: item[1]):
+            counted[chapter] = counted.get(chapter, 0) + 1
+            figures[node_id] = (chapter, str(counted[chapter]))
+        changed.append(docname)
+    return sorted(set(changed) & env.found_docs)
+
+
 def _launch_copies(app, pagename, templatename, context, doctree) -> None:
     """Point the page's Colab and Binder buttons at ``launch/<page>.ipynb`` instead of the chapter.
 
@@ -150,6 +176,7 @@ def setup(app):
     app.connect("html-page-context", _launch_copies, priority=900)  # after sphinx-book-theme's (501)
     app.connect("build-finished", _download_launch_copies)
     app.connect("env-get-updated", _number_exercises, priority=900)  # after Sphinx's numbering (500)
+    app.connect("env-get-updated", _number_figures, priority=900)
     app.add_css_file("book.css")
     app.add_js_file("book.js", loading_method="defer")
     return {"parallel_read_safe": True, "parallel_write_safe": True}

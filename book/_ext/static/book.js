@@ -52,6 +52,26 @@
     target.scrollIntoView();
   }
 
+  // The attention explorer (chapter 12) draws its heatmaps as ipywidgets images, which have no
+  // alt text of their own: say what each one shows, for images there now and added later.
+  const HEATMAP_ALT =
+    "Heatmap of attention weights for the chosen text, layer and head: queries down, keys across.";
+  function describeWidgetImages(root) {
+    for (const img of root.querySelectorAll(".jupyter-widgets img:not([alt])")) img.alt = HEATMAP_ALT;
+  }
+  function watchWidgetImages() {
+    describeWidgetImages(document);
+    new MutationObserver(() => describeWidgetImages(document)).observe(document.body, {
+      childList: true,
+      subtree: true,
+    });
+  }
+  if (document.readyState === "loading") {
+    document.addEventListener("DOMContentLoaded", watchWidgetImages);
+  } else {
+    watchWidgetImages();
+  }
+
   window.addEventListener("hashchange", openLinkedTarget);
   if (document.readyState === "complete") {
     openLinkedTarget();
