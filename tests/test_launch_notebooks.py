@@ -53,6 +53,15 @@ def test_the_committed_launch_notebooks_are_current(regenerated):
     assert not stale, f"stale launch notebooks (run `make launch` and commit launch/): {stale}"
 
 
+def test_make_launch_removes_the_copy_of_a_notebook_that_is_gone(tmp_path):
+    orphan = tmp_path / "notebooks" / "99_gone.ipynb"
+    orphan.parent.mkdir()
+    orphan.write_text("{}")
+    written = launch.write_all(tmp_path)
+    assert not orphan.exists() and len(written) == len(SOURCES)
+    assert launch.stale(tmp_path) == []
+
+
 def _without_code(markdown: str) -> str:
     """The Markdown with its code blocks and inline code spans blanked (MyST's parser finds code)."""
     from markdown_it.token import Token

@@ -608,7 +608,8 @@ def launch_path(path: Path, out: Path) -> Path:
 
 
 def write_all(out: Path | None = None) -> list[Path]:
-    """Write the launch copy of every chapter and solution under ``out`` (default ``launch/``)."""
+    """Write the launch copy of every chapter and solution under ``out`` (default ``launch/``), and
+    remove the copies of notebooks that are gone."""
     out = out or ROOT / LAUNCH
     written = []
     for path in source_notebooks():
@@ -616,6 +617,9 @@ def write_all(out: Path | None = None) -> list[Path]:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(nbformat.writes(convert_notebook(path)) + "\n", encoding="utf-8")
         written.append(target)
+    for folder in SOURCES:
+        for orphan in set((out / folder).glob("*.ipynb")) - set(written):
+            orphan.unlink()
     return written
 
 
