@@ -52,10 +52,13 @@ book: venv static
 
 # The book with every notebook executed in the build (jupyter-cache in _build/.jupyter_cache:
 # the first run executes all of them, about 15 minutes on two cores; later runs only the notebooks
-# whose code changed). Its configuration is _config.yml with execute_notebooks "cache".
+# whose code changed). Its configuration is _config.yml with execute_notebooks "cache", written
+# to _build/ (Jupyter Book finds local_extensions relative to the configuration file: rebased).
 book-execute: venv static
 	mkdir -p _build
-	$(BIN)/python -c 'import yaml; c = yaml.safe_load(open("_config.yml")); c["execute"]["execute_notebooks"] = "cache"; yaml.safe_dump(c, open("_build/_config.execute.yml", "w"), sort_keys=False)'
+	$(BIN)/python -c 'import os, yaml; c = yaml.safe_load(open("_config.yml")); c["execute"]["execute_notebooks"] = "cache"; \
+	  ext = c["sphinx"]["local_extensions"]; c["sphinx"]["local_extensions"] = {k: os.path.relpath(v, "_build") for k, v in ext.items()}; \
+	  yaml.safe_dump(c, open("_build/_config.execute.yml", "w"), sort_keys=False)'
 	$(BIN)/jupyter-book build . --config _build/_config.execute.yml
 
 # launch/notebooks/NN_*.ipynb and launch/solutions/NN_*_solutions.ipynb, from the chapters and
