@@ -51,7 +51,7 @@ book: venv static
 	$(BIN)/jupyter-book build .
 
 # The book with every notebook executed in the build (jupyter-cache in _build/.jupyter_cache:
-# the first run executes all of them, about 15 minutes on two cores; later runs only the notebooks
+# the first run executes all of them, about 9 minutes on two cores; later runs only the notebooks
 # whose code changed). Its configuration is _config.yml with execute_notebooks "cache", written
 # to _build/ (Jupyter Book finds local_extensions relative to the configuration file: rebased).
 book-execute: venv static
