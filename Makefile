@@ -1,4 +1,7 @@
-# make book      - build the book into _build/html
+# make book      - build the book into _build/html from the notebooks' stored outputs (executes nothing)
+# make book-execute - the same, executing the notebooks (through jupyter-cache: all of them the first time)
+# make launch    - write launch/: the plain-Jupyter copies of the chapters and solutions that the
+#                  book's Colab/Binder buttons open (after changing a notebook; a test fails if stale)
 # make chromium  - install Debian's chromium for the browser tests, if no Chromium is found (once, needs sudo)
 # make test      - lint, unit tests, every notebook and solution under nbval, the book with warnings
 #                  as errors (_config.strict.yml), then every page of it in headless Chromium
@@ -17,7 +20,7 @@ export ATTNLIB_DATA_DIR
 export PYDEVD_DISABLE_FILE_VALIDATION = 1
 NBVAL   = --nbval --nbval-current-env --nbval-sanitize-with .nbval_sanitize.cfg --nbval-cell-timeout 600
 
-.PHONY: book test lint unit notebooks book-strict browser chromium gpu clean venv static
+.PHONY: book book-execute launch test lint unit notebooks book-strict browser chromium gpu clean venv static
 
 venv: $(VENV)/.installed
 
@@ -42,8 +45,27 @@ $(STATIC)/.installed: package.json package-lock.json
 	   node_modules/@jupyter-widgets/html-manager/dist/*.svg $(STATIC)/html-manager/
 	touch $@
 
+# The notebooks are stored executed and nbval (make test) checks those outputs: the book renders
+# them (_config.yml: execute_notebooks "off").
 book: venv static
 	$(BIN)/jupyter-book build .
+
+# The book with every notebook executed in the build (jupyter-cache in _build/.jupyter_cache:
+# the first run executes all of them, about 9 minutes on two cores; later runs only the notebooks
+# whose code changed). Its configuration is _config.yml with execute_notebooks "cache", written
+# to _build/ (Jupyter Book finds local_extensions relative to the configuration file: rebased).
+book-execute: venv static
+	mkdir -p _build
+	$(BIN)/python -c 'import os, yaml; c = yaml.safe_load(open("_config.yml")); c["execute"]["execute_notebooks"] = "cache"; \
+	  ext = c["sphinx"]["local_extensions"]; c["sphinx"]["local_extensions"] = {k: os.path.relpath(v, "_build") for k, v in ext.items()}; \
+	  yaml.safe_dump(c, open("_build/_config.execute.yml", "w"), sort_keys=False)'
+	$(BIN)/jupyter-book build . --config _build/_config.execute.yml
+
+# launch/notebooks/NN_*.ipynb and launch/solutions/NN_*_solutions.ipynb, from the chapters and
+# solutions (book/_ext/launch.py): what the book's launch buttons and download open. Committed;
+# tests/test_launch_notebooks.py fails when they are stale.
+launch: venv
+	$(BIN)/python book/_ext/launch.py
 
 test: lint unit notebooks book-strict browser
 
@@ -56,9 +78,9 @@ unit: venv
 notebooks: venv
 	$(BIN)/python -m pytest $(NBVAL) notebooks solutions -q
 
-# nbval has just re-executed every notebook and matched its stored outputs, so the strict
-# build renders those outputs instead of executing everything a second time: _config.strict.yml
-# is _config.yml with execute_notebooks "off" (tests/test_layout.py keeps the two in step).
+# The book with warnings as errors. Like `make book` it renders the stored outputs, which nbval
+# has just re-executed and matched: _config.strict.yml is _config.yml (tests/test_layout.py keeps
+# the two in step; execute_notebooks must be "off" there).
 book-strict: venv static
 	$(BIN)/jupyter-book build . -W --keep-going --config _config.strict.yml
 

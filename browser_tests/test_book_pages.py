@@ -10,6 +10,12 @@ repository buttons; a screenshot is saved per page. At 390 px in dark mode (a ph
 is wider than the screen; a screenshot per page in ``phone/``. Over the whole book, fewer than
 5% of code cells and outputs scroll sideways at 1280 px. Then the search page finds a word,
 and the attention explorer of chapter 12 switches heatmaps without a kernel.
+
+On every page, at 1280 px and at 390 px: no paragraph holds a Markdown table row (a table that
+did not render), every image is shown with its own aspect ratio (within 2%), and every image has
+alt text that says something (not empty, not a file path). Notebook pages launch and download the
+plain-Jupyter copy (``launch/<page>.ipynb``), and each figure has a caption numbered
+"Fig. NN.k" after its chapter.
 """
 from __future__ import annotations
 
@@ -167,9 +173,68 @@ def measure_scrolling(page, name: str) -> tuple[int, int, int, int, list[str]]:
     return SCROLLING[name]
 
 
+def launch_problems(page, name: str) -> list[str]:
+    """A notebook page's Colab and Binder buttons open ``launch/<page>.ipynb``, the plain-Jupyter
+    copy, and its ``.ipynb`` download is that copy."""
+    problems = []
+    target = f"/launch/{name}.ipynb"
+    for what, selector in (("Binder", "a[href*='mybinder.org']"), ("Colab", "a[href*='colab.research.google.com']")):
+        hrefs = page.eval_on_selector_all(selector, "els => els.map(e => e.href)")
+        problems += [f"the {what} button opens {href}, not {target}" for href in hrefs if not href.endswith(target)]
+    launch_copy = ROOT / "launch" / f"{name}.ipynb"
+    for href in page.eval_on_selector_all("a[href$='.ipynb'][href*='_sources']", "els => els.map(e => e.href)"):
+        served = HTML / unquote(urlsplit(href).path).lstrip("/")
+        if not launch_copy.is_file() or not served.is_file() or served.read_bytes() != launch_copy.read_bytes():
+            problems.append(f"the download {href} is not launch/{name}.ipynb")
+    return problems
+
+
 EXERCISE_TITLE = re.compile(r"Exercise (\d\d)\.(\d+)\b")
 EXERCISE_LABEL = re.compile(r"ex-(\d\d)-(\d+)")
 SOLUTION_LABEL = re.compile(r"sol-(\d\d)-(\d+)")
+
+
+#: A Markdown table left as text: its delimiter row, ``|---|`` (or ``|—|`` after CommonMark's
+#: typography turned the dashes into a dash). Every Markdown table has one; any table, not today's.
+TABLE_ROW_IN_TEXT = r"\|\s*:?(?:-{3,}|—|–)"
+
+
+def markdown_tables_as_text(page) -> list[str]:
+    """Paragraphs whose text holds a Markdown table row: a table that was not rendered as one."""
+    return page.evaluate(
+        f"() => [...document.querySelectorAll('article p')].map(p => p.textContent)"
+        f".filter(t => new RegExp({TABLE_ROW_IN_TEXT!r}).test(t)).map(t => t.trim().slice(0, 80))")
+
+
+#: How far an image's shown width/height may be from its natural width/height.
+ASPECT_TOLERANCE = 0.02
+
+
+def image_problems(page) -> list[str]:
+    """Shown images whose aspect ratio is not their own (squashed), or whose alt text says
+    nothing: empty, or a file path (a ``/`` or an image file's name)."""
+    images = page.evaluate(
+        """() => [...document.querySelectorAll('img')].map(img => {
+             // the drawn image: the box less its padding and border (the dark theme pads images)
+             const r = img.getBoundingClientRect(), cs = getComputedStyle(img), px = v => parseFloat(v) || 0;
+             const w = r.width - px(cs.paddingLeft) - px(cs.paddingRight) - px(cs.borderLeftWidth) - px(cs.borderRightWidth);
+             const h = r.height - px(cs.paddingTop) - px(cs.paddingBottom) - px(cs.borderTopWidth) - px(cs.borderBottomWidth);
+             return {src: img.getAttribute('src') || '', alt: img.getAttribute('alt'), shown: img.offsetParent !== null,
+                     complete: img.complete, w: w, h: h, nw: img.naturalWidth, nh: img.naturalHeight};
+           })"""
+    )
+    problems = []
+    for img in images:
+        name = img["src"].rsplit("/", 1)[-1][:24]
+        alt = (img["alt"] or "").strip()
+        if not alt or "/" in alt or re.search(r"\.(png|jpe?g|svg|gif)\b", alt, re.IGNORECASE):
+            problems.append(f"image {name}: alt text {img['alt']!r} says nothing")
+        if img["shown"] and img["complete"] and img["nw"] and img["nh"] and img["w"] > 1 and img["h"] > 1:
+            shown, natural = img["w"] / img["h"], img["nw"] / img["nh"]
+            if abs(shown / natural - 1) > ASPECT_TOLERANCE:
+                problems.append(f"image {name}: shown {img['w']:.0f}x{img['h']:.0f} px, its own ratio is "
+                                f"{img['nw']}x{img['nh']} ({shown / natural - 1:+.0%})")
+    return problems
 
 
 def exercise_numbers(page, name: str) -> list[str]:
@@ -240,6 +305,18 @@ def test_page(name, browser, site, screenshots):
         ):
             if not page.locator(selector).count():
                 problems.append(f"no {what} button")
+        problems += launch_problems(page, name)
+        chapter = re.match(r"(?:notebooks|solutions)/(\d\d)_", name)[1]
+        numbers = page.eval_on_selector_all("figcaption .caption-number", "els => els.map(e => e.textContent.trim())")
+        problems += [f"figure numbered {n!r}, not 'Fig. {chapter}.k'" for n in numbers
+                     if not re.fullmatch(rf"Fig\. {chapter}\.\d+", n)]
+        problems += [f"figure without a caption: {n}" for n in page.evaluate(
+            "() => [...document.querySelectorAll('article div.cell_output img')].filter(img => img.offsetParent !== null"
+            " && !img.closest('.jupyter-widgets') && !img.closest('figure')?.querySelector('figcaption'))"
+            ".map(img => (img.getAttribute('src') || '').split('/').pop())")]
+
+    problems += [f"a Markdown table shown as text: {t!r}" for t in markdown_tables_as_text(page)]
+    problems += image_problems(page)
 
     problems += exercise_numbers(page, name)
 
@@ -254,13 +331,16 @@ def test_page(name, browser, site, screenshots):
 
 @pytest.mark.parametrize("name", PAGES)
 def test_page_fits_a_phone(name, browser, site, screenshots):
-    """At 390 px, in dark mode: the page is no wider than the screen (a code block may scroll
-    inside itself; the page may not), and loads without errors. Screenshot in ``phone/``."""
+    """At 390 px, in dark mode: the page is no wider than the screen (a code block or a table may
+    scroll inside itself; the page may not), every image keeps its aspect ratio and has alt text,
+    no table is left as text, and the page loads without errors. Screenshot in ``phone/``."""
     page, problems = open_page(browser, site, f"{name}.html", viewport=PHONE, dark=True)
     width = page.evaluate("() => document.documentElement.scrollWidth")
     if width > PHONE["width"] + 1:
         problems.append(f"the page is {width} px wide on a {PHONE['width']} px screen: " + "; ".join(
             page.evaluate(WIDER_THAN_SCREEN, PHONE["width"])))
+    problems += image_problems(page)
+    problems += [f"a Markdown table shown as text: {t!r}" for t in markdown_tables_as_text(page)]
     (screenshots / "phone").mkdir(exist_ok=True)
     page.screenshot(path=str(screenshots / "phone" / f"{name.replace('/', '__')}.png"))
     page.context.close()
@@ -368,6 +448,14 @@ def test_attention_explorer_on_a_phone(browser, site, screenshots):
     tracks = explorer.locator(".widget-slider .slider-container").evaluate_all(
         "els => els.map(e => e.getBoundingClientRect().width)")
     assert len(tracks) == 2 and min(tracks) >= 150, f"slider tracks {tracks} px wide"
+    outside = explorer.evaluate(
+        """box => { const b = box.getBoundingClientRect();
+             return [...box.querySelectorAll('.jupyter-widgets, select, img')].filter(e => e.offsetParent !== null)
+               .map(e => [e.className || e.tagName, e.getBoundingClientRect()])
+               .filter(([_, r]) => r.left < b.left - 0.5 || r.right > b.right + 0.5)
+               .map(([c, r]) => `${String(c).slice(0, 50)}: ${r.left.toFixed(1)} to ${r.right.toFixed(1)} px`); }""")
+    box = explorer.evaluate("box => { const b = box.getBoundingClientRect(); return [b.left, b.right]; }")
+    assert not outside, f"controls stick out of the explorer's box {box}: {outside}"
     explorer.locator(".noUi-handle").first.press("ArrowRight")  # still switches heatmaps
     assert page.evaluate("() => document.documentElement.scrollWidth") <= PHONE["width"] + 1
     page.context.close()

@@ -66,3 +66,44 @@ def test_menu_button_on_a_desktop(browser, site, screenshots):
     page.wait_for_url(f"**/{NEXT_CHAPTER}", timeout=10_000)
     page.context.close()
     assert not problems, problems
+
+
+SEARCH_CONTROLS = ".search-button__button, .search-button-field, input[type='search']"
+
+
+def test_one_search_control_on_a_desktop(browser, site):
+    """At 1280 px one search control is shown (pydata-sphinx-theme's header bar held a second)."""
+    page, problems = open_page(browser, site, CHAPTER, viewport=DESKTOP)
+    shown = page.locator(f":is({SEARCH_CONTROLS}):visible")
+    assert shown.count() == 1, f"{shown.count()} search controls shown at 1280 px"
+    page.context.close()
+    assert not problems, problems
+
+
+SOLUTIONS = "solutions/03_causal_attention_solutions.html"
+
+
+def solution_shown(page, label: str) -> bool:
+    """Whether the body of the solution ``label`` is shown (not collapsed by sphinx-togglebutton)."""
+    return page.locator(f"#{label} section, #{label} p:not(.admonition-title)").first.is_visible()
+
+
+def test_a_solution_link_opens_that_solution(browser, site, screenshots):
+    """A chapter's "Solution 03.2" link lands on that solution shown open; the others stay
+    collapsed, and following another solution's anchor opens it too."""
+    page, problems = open_page(browser, site, CHAPTER)
+    link = page.locator("a[href*='03_causal_attention_solutions.html#sol-03-2']").first
+    link.scroll_into_view_if_needed()
+    link.click()
+    page.wait_for_url("**/03_causal_attention_solutions.html#sol-03-2", timeout=10_000)
+    page.wait_for_function("() => document.readyState === 'complete'")
+    page.locator("#sol-03-2 p:not(.admonition-title)").first.wait_for(state="visible", timeout=5_000)
+    assert solution_shown(page, "sol-03-2")
+    assert not solution_shown(page, "sol-03-3"), "every solution was opened, not the linked one"
+    top = page.evaluate("() => document.getElementById('sol-03-2').getBoundingClientRect().top")
+    assert 0 <= top < DESKTOP["height"], f"the linked solution is {top:.0f} px from the top of the window"
+    page.screenshot(path=str(screenshots / "solution-link.png"))
+    page.evaluate("() => { window.location.hash = '#sol-03-3'; }")
+    page.locator("#sol-03-3 p:not(.admonition-title)").first.wait_for(state="visible", timeout=5_000)
+    page.context.close()
+    assert not problems, problems

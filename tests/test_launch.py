@@ -1,18 +1,23 @@
-"""Launch anywhere (issue 12, item 1): a chapter opened where attnlib is missing installs it.
+"""Launch anywhere (issue 12, item 1; issue 20): a notebook opened where attnlib is missing installs it.
 
 Every notebook (chapters and solutions) starts with the same hidden cell (id
 ``install-attnlib``, tag ``remove-cell``): where attnlib cannot be imported (Colab, Binder
 before its build installed it) it pip-installs ``attnlib[book]`` from the repository, or
-``$ATTNLIB_INSTALL_SOURCE`` when that is set; where attnlib is importable it does nothing.
-``binder/`` configures Binder (repo2docker) with the chapters' pinned dependencies, PyTorch's
-CPU build and attnlib from this repository.
+``$ATTNLIB_INSTALL_SOURCE`` when that is set; where attnlib is importable it does nothing. The
+launch notebooks (launch/, the plain-Jupyter copies that the book's Colab and Binder buttons
+open; tests/test_launch_notebooks.py) start with the same cell made visible, installing
+``attnlib[...]`` with the extras that notebook's imports need, from the repository or from
+``$ATTNLIB_INSTALL_FROM``. ``binder/`` configures Binder (repo2docker) with the chapters' pinned
+dependencies, PyTorch's CPU build and attnlib from this repository.
 
-The end-to-end test runs a chapter's first cells in a Jupyter kernel of a fresh virtual
-environment without attnlib, offline: ``ATTNLIB_INSTALL_SOURCE`` names a wheel built from
-this checkout (``--no-build-isolation``, as tests/test_install.py does) and ``PIP_NO_INDEX=1``
-keeps pip off the network; the environment reaches torch, matplotlib, ipykernel, ... through a
-``.pth`` line naming this environment's site-packages, whose own ``.pth`` files (this
-checkout's editable attnlib among them) are not processed from there.
+The end-to-end tests run a chapter's first cells, and the first launch notebooks from top to
+bottom under nbval, each in a Jupyter kernel of its own fresh virtual environment without
+attnlib, offline: ``ATTNLIB_INSTALL_SOURCE`` (the chapter) or ``ATTNLIB_INSTALL_FROM`` (the
+launch notebooks) names a wheel built from this checkout (``--no-build-isolation``, as
+tests/test_install.py does) and ``PIP_NO_INDEX=1`` keeps pip off the network; the environment
+reaches torch, matplotlib, ipykernel, ... through a ``.pth`` line naming this environment's
+site-packages, whose own ``.pth`` files (this checkout's editable attnlib among them) are not
+processed from there.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -74,12 +80,18 @@ def test_binder_pins_what_the_chapters_need():
 
 
 @pytest.fixture(scope="module")
-def fresh_kernel(tmp_path_factory):
-    """``(kernel name, its python, a directory outside the checkout, the wheel)``: a Jupyter kernel
-    of a fresh virtual environment that can import torch and ipykernel but not attnlib."""
-    tmp = tmp_path_factory.mktemp("launch")
+def wheel(tmp_path_factory) -> Path:
+    """A wheel of attnlib built from this checkout (offline)."""
+    return build_wheel(tmp_path_factory.mktemp("wheel"), offline_env())
+
+
+@pytest.fixture
+def fresh_kernel(tmp_path, wheel):
+    """``(its python, a directory outside the checkout, the wheel, the environment)``: a Jupyter
+    kernel ``fresh-venv`` of a new virtual environment that can import torch and ipykernel but not
+    attnlib (one per test: each test's install cell must find attnlib missing)."""
+    tmp = tmp_path
     env = offline_env()
-    wheel = build_wheel(tmp, env)
     python = fresh_venv(tmp, env)
     venv = python.parents[1]
 
@@ -127,3 +139,37 @@ def test_a_chapter_installs_attnlib_where_it_is_missing(fresh_kernel, monkeypatc
     assert version == "1.0.0"
     errors = [out for cell in nb.cells for out in cell.get("outputs", []) if out.get("output_type") == "error"]
     assert not errors, errors
+
+
+#: The launch notebooks run end to end in the fresh environment (the book's first chapters).
+LAUNCHED = [ROOT / "launch" / "notebooks" / f"{name}.ipynb"
+            for name in ("01_attention_from_averages", "02_self_attention", "03_causal_attention")]
+
+
+def test_the_launch_notebooks_run_where_attnlib_is_missing(fresh_kernel):
+    """The first launch notebooks (launch/, what Colab and Binder open) under nbval, in a kernel of
+    a fresh virtual environment without attnlib, as a learner on Colab runs them: the visible first
+    cell installs attnlib with the extras it names (from a wheel of this checkout, named by
+    ``ATTNLIB_INSTALL_FROM``; pip offline), then every cell runs and prints what the book shows.
+
+    Where a learner launches a notebook there is no myst-nb (the book's build tool): ``glue()``
+    then records nothing, and the launch notebooks store no glue records. The fresh environment
+    sees this one's packages, so a stand-in module makes ``import myst_nb`` fail there too."""
+    python, work, wheel, env = fresh_kernel
+    purelib = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                       cwd=work, env=env).stdout.strip())
+    (purelib / "myst_nb.py").write_text('raise ImportError("myst-nb is not installed where a learner launches")\n')
+    copies = []
+    for notebook in LAUNCHED:
+        copies.append(work / notebook.name)
+        copies[-1].write_bytes(notebook.read_bytes())
+    env = dict(env, ATTNLIB_INSTALL_FROM=wheel.as_uri(), PYDEVD_DISABLE_FILE_VALIDATION="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--nbval", "--nbval-kernel-name", "fresh-venv", "--nbval-cell-timeout", "600",
+         "--nbval-sanitize-with", str(ROOT / ".nbval_sanitize.cfg"), "-p", "no:cacheprovider", "-q", *copies],
+        cwd=work, env=env, capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    installed = run([python, "-c", "import attnlib, importlib.metadata; print(attnlib.__file__);"
+                     " print(importlib.metadata.version('attnlib'))"], cwd=work, env=env).stdout.split()
+    assert Path(installed[0]).is_relative_to(python.parents[1]), f"attnlib imported from {installed[0]}"
+    assert installed[1] == "1.0.0"
