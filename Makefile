@@ -18,7 +18,17 @@ BIN     = $(VENV)/bin
 ATTNLIB_DATA_DIR ?= $(if $(wildcard ../shared/data/tinyshakespeare.txt),$(abspath ../shared/data))
 export ATTNLIB_DATA_DIR
 export PYDEVD_DISABLE_FILE_VALIDATION = 1
-NBVAL   = --nbval --nbval-current-env --nbval-sanitize-with .nbval_sanitize.cfg --nbval-cell-timeout 600
+# Notebooks store their outputs and nbval compares them digit for digit; the last digits of a float sum
+# depend on the vector instructions a CPU's kernels use (AVX-512 on one machine, AVX2 on another). Every
+# run here pins them to AVX2, which every x86-64 machine the book is built and tested on has: PyTorch's
+# own kernels, MKL (its conditional numerical reproducibility mode) and oneDNN.
+ifeq ($(shell uname -m),x86_64)
+export ATEN_CPU_CAPABILITY ?= avx2
+export MKL_CBWR ?= AVX2
+export ONEDNN_MAX_CPU_ISA ?= AVX2
+endif
+# A cell may take three times its time on a quiet machine and more (a busy CI machine): 30 minutes.
+NBVAL   = --nbval --nbval-current-env --nbval-sanitize-with .nbval_sanitize.cfg --nbval-cell-timeout 1800
 
 .PHONY: book book-execute launch test lint unit notebooks book-strict browser chromium gpu clean venv static
 
