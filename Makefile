@@ -86,7 +86,7 @@ unit: venv
 	$(BIN)/python -m pytest tests -q
 
 notebooks: venv
-	$(BIN)/python -m pytest $(NBVAL) notebooks solutions -q
+	$(BIN)/python -m pytest $(NBVAL) notebooks solutions book/library_map.ipynb -q
 
 # The book with warnings as errors. Like `make book` it renders the stored outputs, which nbval
 # has just re-executed and matched: _config.strict.yml is _config.yml (tests/test_layout.py keeps
@@ -113,7 +113,7 @@ chromium:
 gpu: venv
 	$(BIN)/python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
 	$(BIN)/python -m pytest tests -q
-	$(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout 600 notebooks solutions -q
+	$(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout 1800 notebooks solutions book/library_map.ipynb -q
 	mkdir -p bench-gpu
 	$(BIN)/python -m attnlib.bench mha --device cuda --out bench-gpu/mha.json
 	$(BIN)/python -m attnlib.bench kv-cache --device cuda --out bench-gpu/kv_cache.json

@@ -4,7 +4,7 @@ The chapters are MyST notebooks, written for the rendered book: numbers in the p
 (``{glue:text}`name:.2f```), exercises are sphinx-exercise directives, references and
 citations are roles, asides are admonitions. Plain Jupyter, JupyterLab and Colab render none of
 that. ``make launch`` (``python book/_ext/launch.py``) writes a copy of every notebook of
-``notebooks/`` and ``solutions/`` into ``launch/`` in which
+``notebooks/``, ``solutions/`` and ``book/`` (the library map) into ``launch/`` in which
 
 - a glued number is its value, formatted as the book formats it (from the glue output stored in
   the notebook, which nbval has verified);
@@ -42,7 +42,7 @@ import tomllib
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("notebooks", "solutions")
+SOURCES = ("notebooks", "solutions", "book")
 #: Where the copies go, mirroring the sources: launch/notebooks/NN_*.ipynb, launch/solutions/...
 LAUNCH = "launch"
 INSTALL_CELL_ID = "install-attnlib"
