@@ -389,3 +389,28 @@ def test_cache_widths_follow_deepseek_v2_table_1():
     _, k, v = MultiHeadAttention(64, 4, n_g).project(x)
     assert k[0, :, 0].numel() + v[0, :, 0].numel() == expected["gqa"]
     assert MultiHeadLatentAttention(64, 4, d_c).latent(x)[0, 0].numel() == expected["mla"]
+
+
+def test_talking_heads_and_mla_take_what_they_use_and_refuse_the_rest():
+    """Options equal to what the variant always uses are accepted; another value is refused, naming both."""
+    from attnlib.attention import MultiHeadLatentAttention, TalkingHeadsAttention
+
+    TalkingHeadsAttention(16, 4, attn_fn="eager", n_kv_heads=4, kv_sharing="fold", head_dim=4, qk_norm=False)
+    MultiHeadLatentAttention(16, 4, 8, n_kv_heads=4, head_dim=4)
+    with pytest.raises(ValueError, match=r"does not take \['attn_fn'\]: attn_fn='sdpa' \(it uses attn_fn='eager'\)"):
+        TalkingHeadsAttention(16, 4, attn_fn="sdpa")
+    with pytest.raises(ValueError, match=r"does not take \['n_kv_heads'\]: n_kv_heads=2 \(it uses n_kv_heads=4\)"):
+        MultiHeadLatentAttention(16, 4, 8, n_kv_heads=2)
+    with pytest.raises(ValueError, match=r"n_heads=0 must be a positive integer"):
+        TalkingHeadsAttention(16, 0)
+
+
+def test_a_decoding_step_builds_no_graph():
+    from attnlib import GPT, GPTConfig
+    from attnlib.generation import step, window_step
+
+    model = GPT(GPTConfig())
+    tokens = torch.randint(0, 65, (1, 5))
+    assert not step(model, tokens).requires_grad
+    logits, _ = window_step(model, tokens, model.new_cache(), 5)
+    assert not logits.requires_grad

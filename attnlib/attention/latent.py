@@ -52,7 +52,10 @@ class MultiHeadLatentAttention(MultiHeadAttention):
         positive_int("kv_latent_dim", kv_latent_dim)
         if not isinstance(absorb, bool):
             raise TypeError(f"absorb must be a bool; got {absorb!r}")
-        refuse_options("MultiHeadLatentAttention", options, ("n_kv_heads", "head_dim", "rope", "qk_norm"))
+        positive_int("d_model", d_model)
+        positive_int("n_heads", n_heads)
+        refuse_options("MultiHeadLatentAttention", options,
+                       {"n_kv_heads": n_heads, "head_dim": d_model // n_heads, "rope": None, "qk_norm": False})
         self.kv_latent_dim, self.absorb = kv_latent_dim, absorb
         super().__init__(d_model, n_heads, **options)
 

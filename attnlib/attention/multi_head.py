@@ -33,11 +33,15 @@ __all__ = ["KV_SHARING", "MultiHeadAttention", "refuse_options"]
 KV_SHARING = ("fold", "repeat_interleave")
 
 
-def refuse_options(layer: str, options: dict, names: tuple[str, ...]) -> None:
-    """Raise ``ValueError`` if ``options`` sets any of ``names``: what a variant of the layer cannot honour."""
-    given = sorted(name for name in names if options.get(name) not in (None, False))
+def refuse_options(layer: str, options: dict, fixed: dict) -> None:
+    """Raise ``ValueError`` if ``options`` sets one of ``fixed``'s names to another value than the variant of the
+    layer always uses (``None``: the option is not used at all); the message names the option, the value and
+    what the layer uses."""
+    given = sorted(name for name in fixed if name in options and options[name] is not None
+                   and options[name] != fixed[name])
     if given:
-        raise ValueError(f"{layer} does not take {given}: {', '.join(f'{n}={options[n]!r}' for n in given)}")
+        raise ValueError(f"{layer} does not take {given}: "
+                         + "; ".join(f"{n}={options[n]!r} (it uses {n}={fixed[n]!r})" for n in given))
 
 
 class MultiHeadAttention(nn.Module):

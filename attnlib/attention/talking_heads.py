@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnlib._checks import positive_int
 from attnlib.attention.masks import combined_mask, masked_softmax
 from attnlib.attention.multi_head import MultiHeadAttention, refuse_options
 
@@ -56,8 +57,12 @@ class TalkingHeadsAttention(MultiHeadAttention):
     per_head_masks = False
 
     def __init__(self, d_model: int, n_heads: int, **options) -> None:
-        refuse_options(type(self).__name__, options,
-                       ("n_kv_heads", "attn_fn", "kv_sharing", "head_dim", "rope", "qk_norm", "score_mod"))
+        positive_int("d_model", d_model)
+        positive_int("n_heads", n_heads)
+        fixed = {"n_kv_heads": n_heads, "attn_fn": "eager", "kv_sharing": "fold", "head_dim": d_model // n_heads,
+                 "rope": None, "qk_norm": False, "score_mod": None}
+        refuse_options(type(self).__name__, options, fixed)
+        options = {name: value for name, value in options.items() if name not in fixed}
         super().__init__(d_model, n_heads, attn_fn="eager", **options)
         # nn.Parameter, not nn.Linear: the GPT's N(0, 0.02) init must not turn the identity into noise.
         self.mix_logits = nn.Parameter(torch.eye(n_heads))

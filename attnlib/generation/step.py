@@ -5,7 +5,8 @@ model and returns the logits of the last position (or of every new position, for
 decoding's verification). :func:`window_step` is the step of a loop that extends a text: when the
 text outgrows the model's ``block_size``, it re-encodes the last ``block_size`` tokens (learned
 absolute positions cannot be shifted inside a cache), exactly what the uncached model sees.
-``generate``, beam search, speculative decoding and continuous batching all call these.
+``generate``, beam search, speculative decoding and continuous batching all call these. Both run
+without gradients (a decoding step builds no autograd graph), as every loop does.
 
 A *decoder* here is any object with ``config.vocab_size``, ``config.block_size``,
 ``__call__(tokens, cache=None, attention_mask=None, positions=None, last_only=False) -> (logits, loss)``
@@ -18,6 +19,7 @@ import torch
 __all__ = ["step", "window_step"]
 
 
+@torch.no_grad()
 def step(model, tokens: torch.Tensor, cache=None, *, attention_mask: torch.Tensor | None = None,
          positions: torch.Tensor | None = None, all_logits: bool = False) -> torch.Tensor:
     """Feed ``tokens`` ``(B, T_new)``, the tokens after the ``cache.length`` cached ones, through ``model``.
@@ -41,6 +43,7 @@ def step(model, tokens: torch.Tensor, cache=None, *, attention_mask: torch.Tenso
     return logits if all_logits else logits[:, -1, :]
 
 
+@torch.no_grad()
 def window_step(model, tokens: torch.Tensor, cache, n_new: int,
                 attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
     """The logits for the token after ``tokens`` ``(B, T)``, of which the last ``n_new`` are not cached yet.
