@@ -237,3 +237,52 @@ def test_kv_cache_refuses_what_is_not_a_layer_cache():
         KVCache([])
     with pytest.raises(TypeError, match="list of per-layer caches"):
         KVCache(LayerCache(4))
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=str)
+def test_any_sequence_of_updates_and_crops_returns_the_right_keys(kind):
+    """Random updates and crops, one after the other (crops in a row included): after every update the cache
+    returns exactly the keys its definition says, read from the stored values (each key is its position), and a
+    refused crop changes nothing. A cache that kept a crop it could not honour would return a stale key here."""
+    rng = __import__("random").Random(sum(map(ord, str(kind))))
+    cache = make(kind)
+    for _ in range(120):
+        if cache.length and rng.random() < 0.4:
+            before = cache.length
+            target = rng.randrange(0, before + 2)
+            try:
+                cache.crop(target)
+            except ValueError:
+                assert cache.length == before
+            else:
+                assert cache.length == min(target, before)
+            continue
+        n = rng.choice([1, 1, 1, 2, 5])
+        if cache.length + n > BLOCK:
+            cache.reset() if kind[0] != "paged" else None
+            if kind[0] == "paged":
+                return
+            continue
+        start, end, k = next(feed(cache, [n]))
+        assert returned_positions(k) == expected_positions(kind, start, end), (kind, start, end)
+        assert cache.key_positions.tolist() == expected_positions(kind, start, end)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=str)
+def test_two_crops_in_a_row_are_checked_against_what_is_stored(kind):
+    """Every pair of crops after 12 positions: each allowed pair is replayed exactly, the second crop judged by
+    what the slots really hold after the first (a ring cropped to 11 still holds position 11 where 7 was)."""
+    base = make(kind)
+    list(feed(base, [5, 1, 6]))
+    for first in range(13):
+        for second in range(first + 1):
+            cache = copy.deepcopy(base)
+            try:
+                cache.crop(first)
+                cache.crop(second)
+            except ValueError:
+                continue
+            fresh = make(kind)
+            list(feed(fresh, [second] if second else []))
+            expected = returned_positions(next(feed(fresh, [2]))[2])
+            assert returned_positions(next(feed(cache, [2]))[2]) == expected, (first, second)

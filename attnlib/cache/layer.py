@@ -63,7 +63,7 @@ class LayerCache:
         return positions
 
     def held(self, length: int) -> torch.Tensor:
-        """The positions the slots hold once ``length`` positions have been written: here all of them."""
+        """The positions below ``length`` the slots hold now, in order: here all of them."""
         return torch.arange(length)
 
     def needed(self, length: int) -> torch.Tensor:

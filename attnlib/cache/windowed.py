@@ -23,6 +23,7 @@ class _KeptCache(LayerCache):
         super().__init__(block_size)
         self._capacity = capacity
         self._key_positions = torch.empty(0, dtype=torch.long)  # of the keys the last update returned
+        self._slot_positions = torch.full((capacity,), -1, dtype=torch.long)  # the position each slot holds
 
     @property
     def capacity(self) -> int:
@@ -32,8 +33,10 @@ class _KeptCache(LayerCache):
         return positions % self.capacity
 
     def held(self, length: int) -> torch.Tensor:
-        """A ring of ``capacity`` slots holds the last ``capacity`` positions written."""
-        return torch.arange(max(0, length - self.capacity), length)
+        """The positions below ``length`` that the slots hold now, in order: what was written last into each
+        slot (after a crop, a slot may still hold a position past the new length, which counts for nothing)."""
+        stored = self._slot_positions
+        return stored[(stored >= 0) & (stored < length)].sort().values
 
     @property
     def key_positions(self) -> torch.Tensor:
@@ -42,6 +45,7 @@ class _KeptCache(LayerCache):
     def reset(self) -> None:
         super().reset()
         self._key_positions = torch.empty(0, dtype=torch.long)
+        self._slot_positions.fill_(-1)
 
     def still_held(self, fresh: torch.Tensor, end: int) -> torch.Tensor:
         """Which of the new positions ``fresh`` the slots still hold once ``end`` positions are written (bool)."""
@@ -59,6 +63,7 @@ class _KeptCache(LayerCache):
             buffer = self.buffer(i, t)
             out.append(torch.cat([buffer.index_select(-2, past), t], dim=-2))  # (..., n_past + T_new, w)
             buffer.index_copy_(buffer.dim() - 2, slots, t.index_select(-2, rows))
+        self._slot_positions[self.slots(keep)] = keep
         return tuple(out)
 
     def check_room(self, end: int) -> None:
@@ -143,10 +148,6 @@ class SinkLayerCache(_KeptCache):
 
     def slots(self, positions: torch.Tensor) -> torch.Tensor:
         return torch.where(positions < self.n_sink, positions, self.n_sink + (positions - self.n_sink) % self.window)
-
-    def held(self, length: int) -> torch.Tensor:
-        sinks = torch.arange(min(length, self.n_sink))
-        return torch.cat([sinks, torch.arange(min(length, max(self.n_sink, length - self.window)), length)])
 
     def still_held(self, fresh: torch.Tensor, end: int) -> torch.Tensor:
         return (fresh < self.n_sink) | (fresh >= end - self.window)
