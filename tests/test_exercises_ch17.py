@@ -27,15 +27,15 @@ def streaming_renumbered(position, window, n_sink):
 
 
 # ---------------------------------------------------------------- 17.2
-def pattern_cache_bytes(windows, n_kv_heads, head_dim, context_length, dtype, batch_size, kv=2, use_min=True,
+def pattern_cache_bytes(windows, n_kv_heads, head_dim, seq_len, dtype, batch_size, kv=2, use_min=True,
                         itemsize=None, batch=True, extra=0, ignore_windows=False):
     per = n_kv_heads * head_dim * (itemsize or dtype.itemsize) * (batch_size if batch else 1)
     total = 0
     for w in windows:
         if w is None or ignore_windows:
-            total += kv * per * context_length
+            total += kv * per * seq_len
         else:
-            total += kv * per * (min(w + extra, context_length) if use_min else w + extra)
+            total += kv * per * (min(w + extra, seq_len) if use_min else w + extra)
     return total
 
 
@@ -109,7 +109,7 @@ def test_reference_answer_is_correct(exercise_id, answer):
         ("17.3", lambda p, w, n: streaming_keys(p, w, n)[::-1], "ascending order"),
         ("17.3", lambda p, w, n: streaming_keys(p, w, n, extra=-1), "keys, the token itself and the"),
         ("17.2", lambda *a: pattern_cache_bytes(*a, kv=1), "a key AND a value"),
-        ("17.2", lambda *a: pattern_cache_bytes(*a, use_min=False), "min(context_length, window)"),
+        ("17.2", lambda *a: pattern_cache_bytes(*a, use_min=False), "min(seq_len, window)"),
         ("17.2", lambda *a: pattern_cache_bytes(*a, ignore_windows=True), "keeps only its window"),
         ("17.2", lambda *a: pattern_cache_bytes(*a, itemsize=2), "dtype.itemsize"),
         ("17.2", lambda *a: pattern_cache_bytes(*a, batch=False), "batch_size="),

@@ -4,7 +4,7 @@
   scaling (bloc97 2023) that leaves the fastest pair alone and slows the slowest one by
   ``factor``; checked exactly (relative 1e-9) and against attnlib's dynamic NTK frequencies.
 * 17.2 ``check_pattern_cache_bytes``: ``pattern_cache_bytes(windows, n_kv_heads, head_dim,
-  context_length, dtype, batch_size)``, the KV-cache bytes of a model whose layers have the given
+  seq_len, dtype, batch_size)``, the KV-cache bytes of a model whose layers have the given
   windows (``None`` = global), checked against bytes held by real cache tensors.
 * 17.3 ``check_streaming_keys``: ``streaming_keys(position, window, n_sink)``, the absolute
   positions of the keys that the token at ``position`` attends to through a StreamingLLM cache
@@ -147,7 +147,7 @@ def _measured(windows, n_kv_heads, head_dim, T, dtype, B) -> int:
 
 @exercise("17.2")
 def check_pattern_cache_bytes(pattern_cache_bytes) -> None:
-    """Check ``pattern_cache_bytes(windows, n_kv_heads, head_dim, context_length, dtype, batch_size) -> int``."""
+    """Check ``pattern_cache_bytes(windows, n_kv_heads, head_dim, seq_len, dtype, batch_size) -> int``."""
     cases = [  # (windows, n_kv_heads, head_dim, T, dtype, B)
         ([5, 5, 5], 3, 8, 40, torch.float64, 1),
         ([16] * 5 + [None] + [16] * 5 + [None], 2, 8, 100, torch.float32, 1),
@@ -163,7 +163,7 @@ def check_pattern_cache_bytes(pattern_cache_bytes) -> None:
         expect(isinstance(got, int) and not isinstance(got, bool),
                f"return a Python int (bytes); got {type(got).__name__} {got!r}")
         expected = _measured(windows, n_kv, hd, T, dtype, B)
-        case = (f"windows={windows}, n_kv_heads={n_kv}, head_dim={hd}, context_length={T}, dtype={dtype}, "
+        case = (f"windows={windows}, n_kv_heads={n_kv}, head_dim={hd}, seq_len={T}, dtype={dtype}, "
                 f"batch_size={B}: {got:,} bytes, the caches hold {expected:,}")
         if got == expected:
             continue
@@ -171,7 +171,7 @@ def check_pattern_cache_bytes(pattern_cache_bytes) -> None:
         kept = [T if w is None else min(w, T) for w in windows]
         expect(got != sum(kept) * per, f"{case}: each layer keeps a key AND a value per position (x 2)")
         expect(got != 2 * per * sum(T if w is None else w for w in windows),
-               f"{case}: a local layer holds min(context_length, window) positions: fewer than its window "
+               f"{case}: a local layer holds min(seq_len, window) positions: fewer than its window "
                "while the text is shorter")
         expect(got != 2 * per * T * len(windows),
                f"{case}: a local layer keeps only its window, not the whole context")
@@ -182,7 +182,7 @@ def check_pattern_cache_bytes(pattern_cache_bytes) -> None:
         expect(got != 2 * per * sum(T if w is None else min(w + 1, T) for w in windows),
                f"{case}: a window of w keeps w positions (the newest token included), not w + 1")
         expect(False, f"{case}: sum over layers of 2 x n_kv_heads x head_dim x itemsize x batch_size x "
-                      "(context_length, or min(window, context_length))")
+                      "(seq_len, or min(window, seq_len))")
 
 
 # ---------------------------------------------------------------- 17.4
