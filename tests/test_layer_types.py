@@ -194,6 +194,8 @@ def test_every_decoding_loop_gives_the_same_greedy_tokens(name):
     if RecurrentState in CACHES[name]:
         with pytest.raises(ValueError, match="recurrent state"):
             serve(model, prompts, 20)
+        with pytest.raises(ValueError, match=r"cannot be honoured by the linear layers \[0, 1, 2\]"):
+            model.generate(torch.tensor([[0, 1, 2]]), 5, attention_mask=torch.tensor([[False, True, True]]))
         return
     outputs, _ = serve(model, prompts, 20, page_size=4)
     for out, expected in zip(outputs, alone):

@@ -176,7 +176,8 @@ class Decoder(nn.Module):
             TypeError: ``idx`` / ``targets`` not an integer tensor; ``cache`` not a KVCache.
             ValueError: wrong shape, ``T > block_size`` (cached tokens included, unless every layer's cache
                 renumbers positions), an id outside the vocabulary; an ``attention_mask`` of another shape or
-                with a row of padding only; a cache of another number of layers (named).
+                with a row of padding only, or with linear layers (they would fold the padding into their
+                state); a cache of another number of layers (named).
         """
         idx = self.check_idx(idx)
         B, T = idx.shape
@@ -193,6 +194,10 @@ class Decoder(nn.Module):
             raise ValueError(f"the cache holds {start} tokens; {T} more exceed block_size={self.config.block_size}")
         if attention_mask is not None:
             check_attention_mask(attention_mask, (B, start + T), idx.device)
+            linear = [i for i, kind in enumerate(self.config.layer_types) if kind == "linear_attention"]
+            if linear:
+                raise ValueError(f"attention_mask cannot be honoured by the linear layers {linear}: a recurrent "
+                                 "state would fold the padding in (left-padded batches need softmax layers)")
             positions = mask_positions(attention_mask)[:, -T:] if positions is None else positions
         if positions is not None:
             check_positions(positions, idx)
