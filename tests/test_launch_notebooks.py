@@ -283,3 +283,15 @@ def test_book_html_points_the_launch_buttons_at_the_launch_copies():
     assert [b["url"] for b in buttons] == [
         "https://mybinder.org/v2/gh/o/r/main?urlpath=tree/launch/notebooks/01_attention_from_averages.ipynb",
         "https://colab.research.google.com/github/o/r/blob/main/launch/notebooks/01_attention_from_averages.ipynb"]
+
+
+def test_an_optional_dependency_imported_inside_a_function_is_not_an_extra():
+    """A library module that imports a package only inside the function needing it (the benchmark against
+    transformers) does not make every notebook importing that module install it; a notebook's own import does."""
+    module_level = launch._imports("import torch\ndef f():\n    import transformers\n", late=False)
+    assert "torch" in module_level and "transformers" not in module_level
+    assert "transformers" in launch._imports("def f():\n    import transformers\n")
+    chapter_15 = nbformat.read(ROOT / "notebooks" / "15_fast_attention.ipynb", as_version=4)
+    assert "attnlib.bench" in set().union(*(launch._imports(c.source) for c in chapter_15.cells if c.cell_type == "code")) \
+        or any("from attnlib import bench" in c.source for c in chapter_15.cells)
+    assert launch.needed_extras(chapter_15) == ["book"]

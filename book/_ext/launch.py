@@ -473,15 +473,18 @@ def _import_names(distribution: str) -> set[str]:
     return names or {distribution.lower().replace("-", "_")}
 
 
-def _imports(source: str) -> set[str]:
-    """Absolute module names a piece of Python imports (anywhere, late imports included)."""
+def _imports(source: str, late: bool = True) -> set[str]:
+    """Absolute module names a piece of Python imports: anywhere, or (``late=False``) outside function bodies,
+    leaving out what a function imports only when it is called (an optional dependency, such as
+    ``transformers`` for the benchmark against it)."""
     lines = [line for line in source.split("\n") if not line.lstrip().startswith(("%", "!"))]
     try:
         tree = ast.parse("\n".join(lines))
     except SyntaxError:
         return set()
     found = set()
-    for node in ast.walk(tree):
+    nodes = ast.walk(tree) if late else _outside_functions(tree)
+    for node in nodes:
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -490,9 +493,20 @@ def _imports(source: str) -> set[str]:
     return found
 
 
+def _outside_functions(tree: ast.AST):
+    """Every node of ``tree`` but those inside a function's body."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+
+
 def imported_packages(nb: nbformat.NotebookNode) -> set[str]:
-    """Top-level packages a notebook imports, directly or through the attnlib modules it imports
-    (read from this checkout's sources, late imports included; nothing is imported)."""
+    """Top-level packages a notebook imports, directly (anywhere in its cells) or through the attnlib modules
+    it imports (what importing them runs: imports outside function bodies; read from this checkout's
+    sources, nothing is imported)."""
     todo = set().union(*(_imports(cell.source) for cell in nb.cells if cell.cell_type == "code"))
     seen: set[str] = set()
     packages = set()
@@ -511,7 +525,7 @@ def imported_packages(nb: nbformat.NotebookNode) -> set[str]:
 
 @cache
 def _file_imports(path: Path) -> set[str]:
-    return _imports(path.read_text(encoding="utf-8"))
+    return _imports(path.read_text(encoding="utf-8"), late=False)
 
 
 def _module_files(module: str) -> list[Path]:
