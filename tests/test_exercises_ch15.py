@@ -111,7 +111,7 @@ def online_softmax_stats_tolist(blocks):  # keeps the numbers as Python lists, o
 def online_softmax_stats_numpy(blocks):  # NumPy copies of the blocks
     import numpy as np
 
-    x = torch.from_numpy(np.concatenate([np.array(block) for block in blocks], axis=-1))
+    x = torch.from_numpy(np.concatenate([np.array(block.numpy()) for block in blocks], axis=-1))
     m = x.amax(dim=-1)
     shift = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     return m, torch.exp(x - shift[:, None]).sum(dim=-1)

@@ -32,6 +32,8 @@ import nbformat
 import pytest
 from fresh_env import build_wheel, fresh_venv, offline_env, run
 
+import attnlib
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
 CHAPTER = ROOT / "notebooks" / "01_attention_from_averages.ipynb"
@@ -136,7 +138,7 @@ def test_a_chapter_installs_attnlib_where_it_is_missing(fresh_kernel, monkeypatc
     venv = python.parent.parent
     assert Path(prefix) == venv
     assert Path(attnlib_file).is_relative_to(venv), f"attnlib imported from {attnlib_file}, not the fresh environment"
-    assert version == "1.0.0"
+    assert version == attnlib.__version__ == "2.0.0"
     errors = [out for cell in nb.cells for out in cell.get("outputs", []) if out.get("output_type") == "error"]
     assert not errors, errors
 
@@ -172,4 +174,4 @@ def test_the_launch_notebooks_run_where_attnlib_is_missing(fresh_kernel):
     installed = run([python, "-c", "import attnlib, importlib.metadata; print(attnlib.__file__);"
                      " print(importlib.metadata.version('attnlib'))"], cwd=work, env=env).stdout.split()
     assert Path(installed[0]).is_relative_to(python.parents[1]), f"attnlib imported from {installed[0]}"
-    assert installed[1] == "1.0.0"
+    assert installed[1] == attnlib.__version__ == "2.0.0"
