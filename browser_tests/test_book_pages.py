@@ -306,10 +306,11 @@ def test_page(name, browser, site, screenshots):
             if not page.locator(selector).count():
                 problems.append(f"no {what} button")
         problems += launch_problems(page, name)
-        chapter = re.match(r"(?:notebooks|solutions)/(\d\d)_", name)[1]
         numbers = page.eval_on_selector_all("figcaption .caption-number", "els => els.map(e => e.textContent.trim())")
-        problems += [f"figure numbered {n!r}, not 'Fig. {chapter}.k'" for n in numbers
-                     if not re.fullmatch(rf"Fig\. {chapter}\.\d+", n)]
+        chapter = re.match(r"(?:notebooks|solutions)/(\d\d)_", name)
+        if chapter:  # a chapter's figures are numbered after it; a reference page's are not chapter-numbered
+            problems += [f"figure numbered {n!r}, not 'Fig. {chapter[1]}.k'" for n in numbers
+                         if not re.fullmatch(rf"Fig\. {chapter[1]}\.\d+", n)]
         problems += [f"figure without a caption: {n}" for n in page.evaluate(
             "() => [...document.querySelectorAll('article div.cell_output img')].filter(img => img.offsetParent !== null"
             " && !img.closest('.jupyter-widgets') && !img.closest('figure')?.querySelector('figcaption'))"
