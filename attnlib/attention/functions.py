@@ -33,7 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from attnlib.attention.masks import combined_mask, future_mask, masked_softmax, score_indices
+from attnlib.attention.masks import combined_mask, future_mask, masked_softmax, modified_scores, score_indices
 from attnlib.attention.mods import ScoreMod
 
 __all__ = ["attention", "check_attention_inputs", "sdpa_attention"]
@@ -161,7 +161,8 @@ def attention(
         dropout. A query with nothing to attend to gets zero weights and a zero output, never NaN.
 
     Raises:
-        TypeError / ValueError: see :func:`check_attention_inputs`.
+        TypeError / ValueError: see :func:`check_attention_inputs`; a ``score_mod`` result that is not a floating
+            point tensor of the scores' shape (:func:`~attnlib.attention.masks.modified_scores`).
     """
     check_attention_inputs(q, k, v, mask, is_causal, scale, dropout_p, score_mod)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -176,16 +177,18 @@ def attention(
     scores = (q.to(work) * scale) @ k.to(work).transpose(-2, -1)  # (..., T_q, d) @ (..., d, T_k) -> (..., T_q, T_k)
     if group > 1:
         scores = scores.view(B, H, T_q, T_k)  # back to one row block per query head (a view)
-    if score_mod is not None:
-        scores = score_mod(scores, *score_indices(scores.shape, scores.device))
     full = combined_mask(mask, is_causal, T_q, T_k, scores.device)
-    if full is None:
+    if score_mod is not None:
+        scores = modified_scores(score_mod, scores, *score_indices(scores.shape, scores.device))
+        # A score_mod may hide keys too (-inf): a row it leaves empty gets zeros, as one a mask empties.
+        seen = scores != float("-inf")
+        weights = masked_softmax(scores, seen if full is None else full & seen)
+    elif full is None:
         weights = torch.softmax(scores, dim=-1)
     elif mask is None:  # causal only: no row is empty; fill the fresh scores in place
         future = future_mask(T_q, T_k, scores.device)
-        # In place on the fresh product (matmul's backward does not need it); a score_mod's output may be saved.
-        scores = scores.masked_fill_(future, float("-inf")) if score_mod is None else scores.masked_fill(future, float("-inf"))
-        weights = torch.softmax(scores, dim=-1)
+        # In place on the fresh product (matmul's backward does not need it).
+        weights = torch.softmax(scores.masked_fill_(future, float("-inf")), dim=-1)
     else:
         weights = masked_softmax(scores, full)
     if dropout_p > 0.0:

@@ -115,7 +115,8 @@ def linear_attention(
         feature_map: a name from :data:`FEATURE_MAPS` (default ``"elu+1"``) or a callable
             ``(..., d_k) -> (..., d_φ)`` whose outputs are >= 0 (checked).
         chunk_size: positions per chunk (``"chunked"`` only; checked in every mode), >= 1.
-        eps: added to the normaliser ``φ(q_i)·z_i``; a finite number >= 0.
+        eps: added to the normaliser ``φ(q_i)·z_i``; a finite number >= 0 (with 0, a query whose features
+            meet no key's gets a zero output, as an attention row with nothing to see).
         initial_state: ``(S, z)`` from an earlier call (``return_state=True``): continue that sequence.
         return_state: also return the final state ``(S (..., d_φ, d_v), z (..., d_φ))``.
 
@@ -171,7 +172,14 @@ def _parallel(fq, fk, v, S, z, eps):
     den = A.sum(-1) + (fq @ z.unsqueeze(-1)).squeeze(-1)  # (..., T)
     S = S + fk.transpose(-2, -1) @ v  # (..., d_φ, T) @ (..., T, d_v) -> (..., d_φ, d_v)
     z = z + fk.sum(-2)  # (..., d_φ)
-    return num / (den + eps).unsqueeze(-1), S, z
+    return num / _normaliser(den, eps).unsqueeze(-1), S, z
+
+
+def _normaliser(den: torch.Tensor, eps: float) -> torch.Tensor:
+    """``den + eps``, with 1 where it is 0: with ``eps = 0`` a query whose features meet no key's
+    (``φ(q)·z = 0``, so its numerator is 0 too) gets a zero output, never 0/0 = NaN."""
+    den = den + eps
+    return den if eps > 0 else den.masked_fill(den == 0, 1.0)
 
 
 def _recurrent(fq, fk, v, S, z, eps):
@@ -182,7 +190,7 @@ def _recurrent(fq, fk, v, S, z, eps):
         z = z + fk[..., t, :]
         num = (fq[..., t, :, None] * S).sum(-2)  # φ(q_t)ᵀ S: (..., d_v)
         den = (fq[..., t, :] * z).sum(-1, keepdim=True)  # (..., 1)
-        outs.append(num / (den + eps))
+        outs.append(num / _normaliser(den, eps))
     return torch.stack(outs, dim=-2), S, z
 
 

@@ -104,6 +104,27 @@ def score_indices(shape: torch.Size, device: torch.device) -> tuple[torch.Tensor
     return b, h, q_idx, kv_idx
 
 
+def modified_scores(score_mod, scores: torch.Tensor, b, h, q_idx, kv_idx) -> torch.Tensor:
+    """``score_mod(scores, b, h, q_idx, kv_idx)``, checked: a floating point tensor of the scores' shape.
+
+    A result of another floating dtype is cast back to the scores' dtype; one that only broadcasts to
+    the scores (a row or a column of them) is refused rather than spread over every query or key.
+
+    Raises:
+        TypeError: the result is not a tensor, or not floating point.
+        ValueError: the result's shape is not the scores'.
+    """
+    out = score_mod(scores, b, h, q_idx, kv_idx)
+    expected = f"a floating point tensor of the scores' shape {tuple(scores.shape)}"
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"score_mod must return {expected}; got {type(out).__name__}")
+    if not out.is_floating_point():
+        raise TypeError(f"score_mod must return {expected}; got dtype {out.dtype}")
+    if out.shape != scores.shape:
+        raise ValueError(f"score_mod must return {expected}; got shape {tuple(out.shape)}")
+    return out.to(scores.dtype)
+
+
 def mask_from_mod(mask_mod: Callable[..., torch.Tensor], shape: tuple[int, ...], device=None) -> torch.Tensor:
     """A boolean mask of ``shape`` ``(B, n_heads, T_q, T_k)`` from a FlexAttention mask function.
 

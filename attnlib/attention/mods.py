@@ -107,15 +107,23 @@ def alibi(n_heads: int) -> ScoreMod:
     ``m_h`` from :func:`alibi_slopes`; no position embedding is added to the tokens. Use it with
     a causal mask (keys after the query would get a bonus).
 
+    Scores ``(B, n_heads, T_q, T_k)`` have their heads in dim 1; the attention functions' scores of
+    2-D and 3-D inputs, ``(T_q, T_k)`` and ``(B, T_q, T_k)``, are one head's, which ``alibi(1)`` serves.
+    Under ``flex_attention`` each score is a scalar and ``h`` picks the slope.
+
     Raises:
-        ValueError: ``n_heads`` not an int >= 1; at call time, scores whose head dimension is
-            not ``n_heads``.
+        ValueError: ``n_heads`` not an int >= 1; at call time, 4-D scores whose head dimension is
+            not ``n_heads``, or scores of one head for ``n_heads > 1``.
     """
     slopes = alibi_slopes(n_heads)
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        if score.dim() >= 3 and score.shape[-3] != n_heads:
-            raise ValueError(f"alibi({n_heads}) got scores with {score.shape[-3]} heads (shape {tuple(score.shape)})")
+        # (B, n_heads, T_q, T_k) from the attention functions; one head's (T_q, T_k) or (B, T_q, T_k); a
+        # scalar under FlexAttention's vmap, where h alone says the head
+        heads = score.shape[-3] if score.dim() >= 4 else 1
+        if score.dim() >= 2 and heads != n_heads:
+            raise ValueError(f"alibi({n_heads}) got scores with {heads} head{'s' * (heads != 1)} (shape {tuple(score.shape)}); "
+                             f"expected (B, {n_heads}, T_q, T_k)")
         m = slopes.to(score.device, score.dtype)[h] if torch.is_tensor(h) else slopes[h]
         return score - m * (q_idx - kv_idx)
 

@@ -26,7 +26,7 @@ import torch
 
 from attnlib._checks import positive_int
 from attnlib.attention.functions import check_attention_inputs
-from attnlib.attention.masks import score_indices
+from attnlib.attention.masks import modified_scores, score_indices
 from attnlib.attention.mods import ScoreMod
 
 __all__ = ["block_scores", "fold_groups", "online_softmax", "online_softmax_update", "tiled_attention", "tiled_forward"]
@@ -137,7 +137,7 @@ def block_scores(q_i, k_j, q0: int, k0: int, offset: int, is_causal: bool, mask,
     k_pos = torch.arange(k0, k0 + n_k, device=s.device)[None, :]
     if score_mod is not None:
         b, h, _, _ = score_indices(torch.Size((*heads, 1, 1)), s.device)
-        s = score_mod(s.reshape(*heads, n_q, n_k), b, h, q_pos, k_pos).reshape(s.shape)
+        s = modified_scores(score_mod, s.reshape(*heads, n_q, n_k), b, h, q_pos, k_pos).reshape(s.shape)
     if is_causal and k0 + n_k - 1 > offset + q0:  # the tile crosses the diagonal: hide the keys after each query
         s = s.masked_fill(k_pos > q_pos, float("-inf"))
     if mask is not None:

@@ -10,7 +10,7 @@ import torch
 
 from attnlib._checks import finite_number, positive_int
 
-__all__ = ["check_sampling", "sample_next_token", "top_k_filter", "top_p_filter"]
+__all__ = ["check_logits", "check_sampling", "sample_next_token", "top_k_filter", "top_p_filter"]
 
 
 def _check_top_p(p: object) -> None:
@@ -81,6 +81,31 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def check_logits(logits: object) -> None:
+    """Raise unless ``logits`` is a float ``(B, vocab_size)`` tensor from which every row can pick a token.
+
+    A row holding NaN, or with no finite logit (all ``-inf``, or ``+inf``), has no distribution to
+    sample from (``softmax`` gives NaN) and no meaningful argmax: it is refused, naming the row.
+    Reads the values (one host sync, as sampling itself).
+
+    Raises:
+        TypeError: ``logits`` not a floating point tensor.
+        ValueError: not 2-D, an empty vocabulary, or a row as above.
+    """
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        got = f"dtype {logits.dtype}" if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise TypeError(f"logits must be a floating point tensor (B, vocab_size); got {got}")
+    if logits.dim() != 2 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must have shape (B, vocab_size) with vocab_size >= 1; got {tuple(logits.shape)}")
+    if logits.device.type == "meta":
+        return
+    bad = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1) | ~torch.isfinite(logits).any(dim=-1)
+    if bad.any():
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"logits row {row} holds NaN or +inf, or no finite value ({logits[row].tolist()[:8]}...): "
+                         "no token can be chosen from it")
+
+
 def sample_next_token(
     logits: torch.Tensor,
     temperature: float = 1.0,
@@ -101,9 +126,11 @@ def sample_next_token(
         ``(B, 1)`` int64 token ids.
 
     Raises:
-        TypeError / ValueError: as :func:`check_sampling`.
+        TypeError / ValueError: as :func:`check_sampling` and :func:`check_logits` (a row with NaN, ``+inf``
+            or no finite logit).
     """
     check_sampling(temperature, top_k, top_p)
+    check_logits(logits)
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     scaled = logits / temperature

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from attnlib._checks import float_input, positive_int
+from attnlib._checks import finite_number, float_input, positive_int
 
 __all__ = ["LearnedPositionalEmbedding", "SinusoidalPositionalEncoding", "even", "sinusoidal_encoding"]
 
@@ -40,10 +40,13 @@ def sinusoidal_encoding(T: int, d_model: int, base: float = 10000.0) -> torch.Te
         ``(T, d_model)`` float32 tensor.
 
     Raises:
-        TypeError / ValueError: ``T`` not a positive int, ``d_model`` not a positive even int.
+        TypeError / ValueError: ``T`` not a positive int, ``d_model`` not a positive even int, ``base`` not a
+            finite number > 1 (as :class:`~attnlib.positional.RotaryEmbedding`'s).
     """
     positive_int("T", T)
     even("d_model", d_model)
+    if finite_number("base", base) <= 1:
+        raise ValueError(f"base={base!r} must be a finite number > 1")
     position = torch.arange(T, dtype=torch.float32)[:, None]  # (T, 1)
     freq = torch.exp(-math.log(base) * torch.arange(0, d_model, 2, dtype=torch.float32) / d_model)  # (d_model/2,)
     angle = position * freq  # (T, 1) * (d_model/2,) -> (T, d_model/2)
