@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attnlib import RotaryEmbedding
 from attnlib.attention import attention, tiled_attention
 from attnlib.attention.linear import linear_attention
 from attnlib.attention.mods import alibi
@@ -187,3 +188,26 @@ def test_sampling_with_masked_tokens_picks_only_the_others():
     ids = sample_next_token(logits, temperature=1.0, generator=torch.Generator().manual_seed(0))[:, 0]
     assert set(ids.tolist()) == {1, 3}
     assert sample_next_token(logits[:1], temperature=0.0).item() == 1  # argmax: the first of the finite maxima
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rope_frequencies_stay_float32_in_a_narrower_model(dtype):
+    """A bfloat16 θ_i would put the angle at position 4096 off by radians; the tables keep float32 frequencies
+    (as transformers computes its angles), and the angles equal float64's to float32 precision."""
+    from attnlib import Decoder, DecoderConfig
+
+    model = Decoder(DecoderConfig.llama(vocab_size=50, block_size=8192, n_layers=1, n_heads=2, d_model=256))
+    model = model.to(dtype)
+    rope = model.blocks[0].attn.rope
+    assert rope.inv_freq.dtype == torch.float32 and model.lm_head.weight.dtype == dtype
+    positions = torch.tensor([0, 1, 4095, 8191])
+    theta = 1.0 / 10000.0 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128)
+    exact = positions.double()[:, None] * theta
+    assert (rope.angles(positions).double() - exact).abs().max() < 8191 * 2**-23 * 2  # float32 rounding only
+    assert (positions.double()[:, None] * theta.to(dtype).double() - exact).abs().max() > 1.0  # what a cast costs
+    assert model(torch.randint(0, 50, (1, 8)))[0].dtype == dtype
+
+
+def test_rope_frequencies_follow_a_wider_model():
+    rope = RotaryEmbedding(16).double()
+    assert rope.inv_freq.dtype == torch.float64

@@ -106,6 +106,17 @@ class RotaryEmbedding(nn.Module):
         self.rope_scaling = None if rope_scaling is None else dict(rope_scaling)
         self.max_position_embeddings = max_position_embeddings
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (head_dim/2,)
+        self._inv_freq_float32 = inv_freq.float()  # not a buffer: what _apply restores
+
+    def _apply(self, fn, recurse=True):
+        """As ``nn.Module._apply`` (``.to``, ``.cuda``, ``.half``, ...), except that the frequencies stay in
+        float32 when the model moves to a narrower float: a bfloat16 ``θ_i`` is off by up to 2⁻⁸ of itself,
+        and the angle ``m·θ_i`` by that times ``m`` (up to 5 radians at position 4096 for head_dim 128).
+        ``transformers`` computes its angles in float32 too."""
+        super()._apply(fn, recurse)
+        if self.inv_freq.is_floating_point() and torch.finfo(self.inv_freq.dtype).bits < 32:
+            self.inv_freq = self._inv_freq_float32.to(self.inv_freq.device)
+        return self
 
     def angles(self, positions: torch.Tensor) -> torch.Tensor:
         """Rotation angles ``(…, T, head_dim / 2)`` for integer or float ``positions`` of shape ``(…, T)``.
