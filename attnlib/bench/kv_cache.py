@@ -29,7 +29,8 @@ __all__ = ["GPT2_SMALL", "SMALL", "TINY", "VARIANTS", "format_kv_cache", "genera
 #: GPT-2 small's shape. GQA keeps 4 key/value heads (groups of 3 query heads; :func:`variant_config`);
 #: MLA's latent is attnlib's default d_model // 4 = 192 numbers (DeepSeek-V2 uses 4 · head_dim, which would be 256).
 GPT2_SMALL = GPTConfig(vocab_size=50257, block_size=1024, n_layers=12, n_heads=12, d_model=768)
-#: A small model for quick runs (``--small``): big enough that the cache already pays off.
+#: A small model for quick runs (``kv_cache_rows(config=SMALL)``; not a command-line option): big enough
+#: that the cache already pays off.
 SMALL = GPTConfig(vocab_size=1024, block_size=256, n_layers=4, n_heads=8, d_model=256)
 #: ``--small`` on the command line: a tiny model for tests and the install check (milliseconds a token).
 TINY = GPTConfig(vocab_size=64, block_size=32, n_layers=2, n_heads=6, d_model=48)

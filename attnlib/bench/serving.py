@@ -94,7 +94,10 @@ def _batching_rows(target, config, n_prompts, new_tokens, page_size, repeats, g,
     lengths = torch.randint(1, longest + 1, (n_prompts,), generator=g).tolist()
     prompts = [torch.randint(config.vocab_size, (n,), generator=g).to(device) for n in lengths]
     waves = [range(i, min(i + max_batch, n_prompts)) for i in range(0, n_prompts, max_batch)]  # arrival order
-    outputs, steps = {}, {"alone": sum(budgets), "static": sum(max(budgets[i] for i in w) for w in waves)}
+    # Decode steps, counted alike for all three: generate's prefill gives a request's first token, then n - 1
+    # decode steps (a static batch's run until its longest request is done); serve's trace has one entry a step.
+    steps = {"alone": sum(n - 1 for n in budgets), "static": sum(max(budgets[i] for i in w) - 1 for w in waves)}
+    outputs = {}
 
     def one_at_a_time():
         outputs["alone"] = [target.generate(p[None], n, temperature=0.0)[0, -n:] for p, n in zip(prompts, budgets)]

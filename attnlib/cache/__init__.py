@@ -3,7 +3,7 @@
 * :class:`LayerCache` (:mod:`~attnlib.cache.layer`): every position, contiguous (chapter 08); the protocol;
 * :class:`RingLayerCache`, :class:`SinkLayerCache`, :class:`ChunkedLayerCache`
   (:mod:`~attnlib.cache.windowed`): a window, StreamingLLM's sinks + a window, the current chunk
-  (chapters 17, 20);
+  (chapter 17);
 * :class:`PagedLayerCache`, :class:`PagedKVCache`, :class:`PageAllocator` (:mod:`~attnlib.cache.paged`):
   vLLM's pages shared by many sequences (chapter 19);
 * :class:`RecurrentState` (:mod:`~attnlib.cache.recurrent`): a linear-attention layer's fixed state (chapter 18);

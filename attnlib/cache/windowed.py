@@ -1,4 +1,4 @@
-"""Layer caches that keep only some positions: a window, sinks and a window, the current chunk. Chapters 17, 20.
+"""Layer caches that keep only some positions: a window, sinks and a window, the current chunk. Chapter 17.
 
 Each is a :class:`~attnlib.cache.layer.LayerCache` that differs only in where a position goes
 (:meth:`slots`: a ring of fixed size) and which positions it keeps (:meth:`held`) and returns

@@ -36,7 +36,8 @@ def verify_drafts(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, greedy
 
     Returns:
         ``(n_accepted (N,), next_token (N,))``: the first ``n_accepted`` drafts are kept, then ``next_token``
-        (from the residual ``max(0, p_n - q_n)`` after a rejection, from ``p_k`` after ``k`` acceptances).
+        (from the residual ``max(0, p[:, n] - q[:, n])`` after a rejection at draft ``n``, counted from 0; from
+        ``p[:, k]``, the distribution after all ``k`` drafts (chapter 19's ``p_{k+1}``), after ``k`` acceptances).
 
     Raises:
         TypeError: ``p`` or ``q`` not a floating tensor, ``drafts`` not an integer tensor, ``greedy`` not a

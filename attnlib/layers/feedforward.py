@@ -1,5 +1,5 @@
 """The position-wise feed-forward blocks: the GELU MLP of the GPT (chapter 12) and the encoder–decoder
-Transformer (chapter 10), and the gated blocks of modern decoders (SwiGLU, GeGLU; chapters 16, 20).
+Transformer (chapter 10), and the gated blocks of modern decoders (SwiGLU, GeGLU; chapter 16).
 
 Vaswani et al. 2017, §3.3: ``FFN(x) = W_2 · act(W_1 x + b_1) + b_2``, the same two linear layers at every
 position; GELU (Hendrycks & Gimpel 2016) instead of ReLU, as in GPT-2. The parameter names ``fc`` and
@@ -129,7 +129,7 @@ class SwiGLU(GatedFeedForward):
 
 class GeGLU(GatedFeedForward):
     """Gemma's gated feed-forward block: ``down(GELU_tanh(gate(x)) ⊙ up(x))`` (Shazeer 2020, eq. 5). Args as
-    :class:`GatedFeedForward`, without ``activation``. Chapter 20."""
+    :class:`GatedFeedForward`, without ``activation``."""
 
     def __init__(self, d_model: int, d_ff: int, bias: bool = False, dropout: float = 0.0) -> None:
         super().__init__(d_model, d_ff, "gelu_tanh", bias, dropout)

@@ -2,7 +2,7 @@
 
 * :class:`DecoderConfig` and :class:`Decoder` (:mod:`~attnlib.models.config`, :mod:`~attnlib.models.decoder`):
   GPT-2 (chapter 12, where they are :data:`GPTConfig` and :data:`GPT`), the attention variants
-  (chapter 13), Llama / Qwen3 / Mistral (chapter 16), mixed layer types (chapters 17, 18, 20);
+  (chapter 13), Llama / Qwen3 / Mistral (chapter 16), mixed layer types (chapters 17, 18);
   their parts: :mod:`~attnlib.models.layers`;
 * loaders from ``transformers``: :func:`from_hf_gpt2` (chapter 14), :func:`from_hf_llama`,
   :func:`from_hf_qwen3`, :func:`from_hf_mistral` (chapter 16);

@@ -2,7 +2,7 @@
 
 Chapter 12 introduces it field by field as the GPT's configuration (:data:`GPTConfig` is its name
 there, and its defaults are GPT-2's layout); chapter 13 varies the attention; chapter 16 turns it into
-a Llama / Qwen3 / Mistral decoder (:meth:`DecoderConfig.llama`, ...); chapters 17, 18 and 20 mix layer
+a Llama / Qwen3 / Mistral decoder (:meth:`DecoderConfig.llama`, ...); chapters 17 and 18 mix layer
 types with ``layer_types`` (transformers' strings, one per layer). Derived sizes are resolved once,
 in :meth:`DecoderConfig.__post_init__`, under the field's own name (gpt-fast's ``ModelArgs``):
 ``head_dim`` given stays as given; not given, it *is* ``d_model // n_heads`` afterwards.

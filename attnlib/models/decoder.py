@@ -1,5 +1,5 @@
 """One decoder-only language model for every preset: GPT-2, the chapter-13 variants, Llama / Qwen3 /
-Mistral, and models that mix layer types. Chapters 12, 13, 16, 17, 18, 20.
+Mistral, and models that mix layer types. Chapters 12, 13, 16, 17, 18.
 
 Token embeddings (+ a learned position table for GPT-2), ``n_layers`` blocks, a final norm and
 an output head (tied to the embedding or not). Each :class:`Block` is built from its parts for its
