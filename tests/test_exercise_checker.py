@@ -195,3 +195,24 @@ def test_grade_records_each_verdict_as_a_json_line(tmp_path, monkeypatch):
     grade("03.1", None)
     lines = [json.loads(line) for line in record.read_text().splitlines()]
     assert [(v["exercise"], v["status"]) for v in lines] == [("03.1", WRONG), ("03.1", NOT_SOLVED)]
+
+
+def test_a_cell_past_the_time_limit_is_interrupted_and_the_notebook_goes_on(tmp_path, capsys):
+    path = notebook(tmp_path, EX_03_2, "while True:\n    pass", EX_03_1, SOLVE_03_1)
+    rows = check_notebook(path, timeout=3)
+    assert rows == [("03.2", NOT_CHECKED, "cell 2 ran past the 3 s limit and was interrupted"),
+                    ("03.1", "correct", "")]  # the cells after the interrupted one ran
+    assert main(["check", str(path), "--timeout", "3"]) == 1
+    out = capsys.readouterr().out
+    assert "1 of 2 correct; 1 not checked" in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("death", ["import os\nos._exit(1)", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)"])
+def test_a_kernel_that_dies_leaves_its_exercise_and_the_later_ones_not_checked(tmp_path, capsys, death):
+    path = notebook(tmp_path, SOLVE_03_1, EX_03_1, "x = 1", EX_03_2, death, "#md ```{exercise-start}\n:label: ex-03-3\n```",
+                    SOLVE_03_1)
+    died = "cell 5 stopped the kernel (it died: out of memory, or an exit?); later cells did not run"
+    assert check_notebook(path) == [("03.1", "correct", ""), ("03.2", NOT_CHECKED, died), ("03.3", NOT_CHECKED, died)]
+    assert main(["check", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "1 of 3 correct; 2 not checked" in out and "Traceback" not in out

@@ -1,9 +1,10 @@
 """Check a learner's notebook: ``python -m attnlib.book.exercises check NOTEBOOK.ipynb``.
 
-Executes the notebook in a fresh kernel (errors do not stop it) and prints a table of every
-exercise the notebook declares (``{exercise-start}`` blocks with ``:label: ex-NN-k``): correct /
-not solved yet / wrong (with the check's hint) / checker error / not checked (no check ran,
-e.g. because an earlier cell failed).
+Executes the notebook in a fresh kernel (errors do not stop it; a cell past ``--timeout`` seconds
+is interrupted and the rest runs) and prints a table of every exercise the notebook declares
+(``{exercise-start}`` blocks with ``:label: ex-NN-k``): correct / not solved yet / wrong (with the
+check's hint) / checker error / not checked (no check ran: an earlier cell failed, a cell ran past
+the limit, or the kernel died, named with its cell), then a count of each.
 
 The verdicts come from the checks themselves: the kernel runs with
 ``ATTNLIB_EXERCISE_VERDICTS`` naming a fresh file, where every :func:`grade` call records its
@@ -21,6 +22,7 @@ import os
 import re
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from attnlib import _cli
@@ -62,27 +64,49 @@ def read_notebook(path: str | Path):
 def check_notebook(path: str | Path, timeout: int = 600) -> list[tuple[str, str, str]]:
     """Execute ``path`` and return ``[(exercise id, status, detail), ...]`` in the notebook's order.
 
-    Declared exercises come first, in order, then any other exercise a check graded.
+    Declared exercises come first, in order, then any other exercise a check graded. A cell that runs
+    past ``timeout`` seconds is interrupted and the notebook goes on; a kernel that dies (out of memory,
+    ``os._exit``) ends the run. Either way the exercises left without a verdict are "not checked", and the
+    detail names the cell (counted from 1, as Jupyter shows them) and what stopped it.
 
     Raises:
         FileNotFoundError: no such notebook.
         ValueError: not a Jupyter notebook (see :func:`read_notebook`).
     """
     from nbclient import NotebookClient
+    from nbclient.exceptions import DeadKernelError
 
     path = Path(path)
     nb = read_notebook(path)
-    declared = [f"{int(a):02d}.{int(b)}" for cell in nb.cells if cell.cell_type == "markdown"
-                for a, b in _LABEL.findall(cell.source)]
+    declared, starts = [], []  # each declared exercise and the index of the cell that declares it
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type == "markdown":
+            for a, b in _LABEL.findall(cell.source):
+                declared.append(f"{int(a):02d}.{int(b)}")
+                starts.append(index)
+    stopped: dict[int, str] = {}  # cell index -> what stopped it
+    running = {"cell": None}
+
+    def on_cell_start(cell, cell_index):
+        running["cell"] = cell_index
+
+    def on_cell_executed(cell, cell_index, execute_reply):
+        if execute_reply["content"].get("ename") == _TIMED_OUT:
+            stopped[cell_index] = f"ran past the {timeout} s limit and was interrupted"
+
     with tempfile.TemporaryDirectory(prefix="attnlib-check-") as tmp:
         record = Path(tmp) / "verdicts.jsonl"
         record.touch()
         before = os.environ.get(VERDICTS_ENV)
         os.environ[VERDICTS_ENV] = str(record)  # the kernel inherits the environment
         try:
-            client = NotebookClient(nb, timeout=timeout, allow_errors=True,
+            client = NotebookClient(nb, timeout=timeout, allow_errors=True, interrupt_on_timeout=True,
+                                    error_on_timeout={"ename": _TIMED_OUT, "evalue": f"{timeout} s", "traceback": []},
+                                    on_cell_start=on_cell_start, on_cell_executed=on_cell_executed,
                                     resources={"metadata": {"path": str(path.resolve().parent)}})
             client.execute()
+        except DeadKernelError:
+            stopped[running["cell"]] = "stopped the kernel (it died: out of memory, or an exit?); later cells did not run"
         finally:
             if before is None:
                 del os.environ[VERDICTS_ENV]
@@ -93,7 +117,24 @@ def check_notebook(path: str | Path, timeout: int = 600) -> list[tuple[str, str,
             v = json.loads(line)
             verdicts[v["exercise"]] = (v["status"], v["detail"])  # the last check of an exercise counts
     ids = declared + [i for i in verdicts if i not in declared]
-    return [(i, *verdicts.get(i, (NOT_CHECKED, "no check ran for it (did an earlier cell fail?)"))) for i in ids]
+    return [(i, *verdicts.get(i, (NOT_CHECKED, _why_not_checked(i, declared, starts, stopped, len(nb.cells)))))
+            for i in ids]
+
+
+_TIMED_OUT = "CellTimeout"
+
+
+def _why_not_checked(exercise_id: str, declared: list[str], starts: list[int], stopped: dict[int, str],
+                     n_cells: int) -> str:
+    """The detail of an exercise no check graded: what stopped a cell of its part of the notebook (from its
+    label to the next exercise's), or a kernel that died before it; else an earlier cell's failure."""
+    if exercise_id in declared:
+        k = declared.index(exercise_id)
+        first, end = starts[k], starts[k + 1] if k + 1 < len(starts) else n_cells
+        for index in sorted(stopped):
+            if first <= index < end or (index < first and "later cells did not run" in stopped[index]):
+                return f"cell {index + 1} {stopped[index]}"
+    return "no check ran for it (did an earlier cell fail?)"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -123,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     for exercise_id, status, detail in rows:
         print(f"{exercise_id:{width}s}  {status:15s}  {detail}")
     n_correct = sum(status == CORRECT for _, status, _ in rows)
-    print(f"{n_correct} of {len(rows)} correct")
+    counts = Counter(status for _, status, _ in rows if status != CORRECT)
+    print(f"{n_correct} of {len(rows)} correct" + "".join(f"; {n} {status}" for status, n in counts.items()))
     return 0 if rows and n_correct == len(rows) else 1
 
 
