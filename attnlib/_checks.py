@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -210,3 +210,28 @@ def generator_or_none(generator: object) -> None:
     """Raise TypeError unless ``generator`` is a ``torch.Generator`` or ``None`` (sampling's random numbers)."""
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
+
+
+def weight_tensors(state: object, ignore: tuple[str, ...] = ()) -> None:
+    """Refuse a state dict (a mapping of names to tensors) whose weights a float model cannot take as they are.
+
+    Every entry whose name does not end with one of ``ignore`` (buffers such as masks) must be a floating point
+    tensor with values: an integer or bool tensor would be cast silently (an int8 checkpoint is quantised: its
+    scales live elsewhere), a meta tensor has no values.
+
+    Raises:
+        TypeError: not a mapping; an entry that is not a tensor, or not floating point (named, with its dtype).
+        ValueError: an entry on the meta device (named).
+    """
+    if not isinstance(state, Mapping):
+        raise TypeError(f"expected a state dict (a mapping of names to tensors); got {type(state).__name__}")
+    for key, value in state.items():
+        if isinstance(key, str) and key.endswith(ignore):
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"the state dict's {key!r} is a {type(value).__name__}; expected a torch.Tensor")
+        if not value.is_floating_point():
+            raise TypeError(f"the state dict's {key!r} has dtype {value.dtype}; expected floating point weights "
+                            "(a quantised checkpoint must be dequantised first)")
+        if value.device.type == "meta":
+            raise ValueError(f"the state dict's {key!r} is on the meta device (no values): load the weights first")

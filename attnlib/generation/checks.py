@@ -70,9 +70,12 @@ def check_prompt(idx: object, vocab_size: int, *, batch: int | None = None) -> t
 
     Raises:
         TypeError: not a tensor, or not an integer dtype (named).
-        ValueError: not 2-D, an empty prompt, the wrong batch size, an id outside the vocabulary.
+        ValueError: not 2-D, on the meta device, an empty prompt, the wrong batch size, an id outside the vocabulary.
     """
     idx = token_ids("idx", idx, vocab_size)
+    if idx.device.type == "meta":
+        raise ValueError("idx is on the meta device (shapes, no values): generating picks each token by the "
+                         "values of the logits; run the model's forward on meta for shapes, or move it to a real device")
     if idx.shape[1] == 0:
         raise ValueError(f"idx must hold at least one prompt token per row; got shape {tuple(idx.shape)} (T=0)")
     if batch is not None and idx.shape[0] != batch:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from attnlib._checks import weight_tensors
 from attnlib.models.config import GPTConfig
 from attnlib.models.decoder import GPT
 
@@ -132,6 +133,9 @@ def _check_config(config: GPTConfig, source_config: GPTConfig | None) -> None:
                              f"(config.{ours}={source!r} reproduces it)")
 
 
+_MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")  # old transformers' causal-mask buffers, not weights
+
+
 def _layer_count(state: Mapping[str, torch.Tensor]) -> int:
     layers = {int(k.split(".")[2]) for k in state if k.startswith("transformer.h.") and k.split(".")[2].isdigit()}
     return max(layers) + 1 if layers else 0
@@ -148,8 +152,7 @@ def _check_state_keys(state: Mapping[str, torch.Tensor], key_map: dict[str, tupl
         raise ValueError("the state dict's 'lm_head.weight' differs from 'transformer.wte.weight': an untied "
                          "output head, which attnlib's GPT (head tied to the token embedding) cannot hold")
     used = {theirs for theirs, _ in key_map.values()} | {"lm_head.weight"}
-    buffers = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers, not weights
-    extra = sorted(k for k in state if k not in used and not k.endswith(buffers))
+    extra = sorted(k for k in state if k not in used and not k.endswith(_MASK_BUFFERS))
     if extra:
         raise ValueError(f"the state dict holds {extra[0]!r} ({len(extra)} unknown keys): "
                          "attnlib's GPT has no place for it")
@@ -170,7 +173,8 @@ def from_hf_gpt2(source, config: GPTConfig | None = None) -> GPT:
         The model in eval mode, on the CPU, in fp32.
 
     Raises:
-        TypeError: ``source`` is neither a GPT-2 model nor a mapping; ``config`` not a GPTConfig.
+        TypeError: ``source`` is neither a GPT-2 model nor a mapping; ``config`` not a GPTConfig; a weight that
+            is not a floating point tensor (an int8 or bool one, named).
         ValueError: a GPT-2 variant attnlib cannot reproduce (see :func:`config_from_hf`), a config
             that differs from the source's (the field and both values are named), no config for a raw
             state dict, a missing, extra or untied key, more layers than the config, or a shape that
@@ -187,6 +191,7 @@ def from_hf_gpt2(source, config: GPTConfig | None = None) -> GPT:
     else:
         raise TypeError(f"source must be a GPT2LMHeadModel or its state_dict; got {type(source).__name__}")
     _check_config(config, source_config)
+    weight_tensors(state, ignore=_MASK_BUFFERS)
     key_map = hf_gpt2_key_map(config.n_layers)
     _check_state_keys(state, key_map, config.n_layers)
     model = GPT(config)

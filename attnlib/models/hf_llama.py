@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
+from attnlib._checks import weight_tensors
 from attnlib.models.config import DecoderConfig
 from attnlib.models.decoder import Decoder
 from attnlib.positional.scaling import ROPE_TYPES
@@ -161,11 +162,7 @@ def _load(model_or_state_dict, config, family: str) -> Decoder:
         state = dict(model_or_state_dict)
     else:
         raise TypeError(f"expected a transformers model or a state dict; got {type(model_or_state_dict).__name__}")
-    for key, value in state.items():
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"the state dict's {key!r} is a {type(value).__name__}; expected a torch.Tensor")
-        if value.device.type == "meta":
-            raise ValueError(f"the state dict's {key!r} is on the meta device (no values): load the weights first")
+    weight_tensors(state)
     ours = Decoder(config_from_hf_decoder(config, family))
     c = ours.config
     own = ours.state_dict()
@@ -216,7 +213,8 @@ def from_hf_llama(model_or_state_dict, config=None) -> Decoder:
         a model in the weights' dtype whose ``forward(idx)`` gives the same logits (1e-5 in float32).
 
     Raises:
-        TypeError: neither a model nor a mapping; a state dict value that is not a tensor.
+        TypeError: neither a model nor a mapping; a state dict value that is not a floating point tensor
+            (an int8 or bool one, named).
         ValueError: a setting attnlib cannot reproduce (:func:`config_from_hf_decoder`), missing or unexpected
             weights (``q_proj``/``k_proj``/``v_proj`` named one by one), a shape mismatch, weights on the meta device,
             a ``config`` that contradicts the model's own.

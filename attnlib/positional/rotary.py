@@ -185,7 +185,8 @@ class RotaryEmbedding(nn.Module):
         """
         key = (positions.shape, positions.device, dtype, torch.is_inference_mode_enabled())
         memo = getattr(self, "_cos_sin", None)
-        if memo is not None and memo[0] == key and torch.equal(memo[1], positions):
+        on_meta = positions.device.type == "meta"  # no values to compare: never reused
+        if memo is not None and not on_meta and memo[0] == key and torch.equal(memo[1], positions):
             return memo[2]
         angle = self.angles(positions)  # (..., T, hd/2)
         cos = (angle.cos() * self.attention_factor).to(dtype)  # attention_factor: 1 except for YaRN
