@@ -12,6 +12,7 @@ import torch
 
 import attnlib
 from attnlib import GPT, GPTConfig
+from attnlib.data import FILENAME, ChecksumError, get_batch, load_char_corpus, load_tiny_shakespeare, train_val_split
 from attnlib.history import History
 from attnlib.train import TrainConfig, load_checkpoint, save_checkpoint, train
 
@@ -269,3 +270,48 @@ def test_a_history_round_trips(tmp_path):
     assert History.from_json(tmp_path / "h.json") == History(**GOOD_HISTORY)
     with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "nope.json"))):
         History.from_json(tmp_path / "nope.json")
+
+
+# ---------------------------------------------------------------- data helpers
+IDS = torch.arange(100)
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: load_tiny_shakespeare(5, download=False), TypeError, "data_dir must be a str, an os.PathLike or None; got 5 (int)"),
+        (lambda: load_tiny_shakespeare(b"/tmp", download=False), TypeError, "data_dir must be a str, an os.PathLike or None; got b'/tmp' (bytes)"),
+        (lambda: load_tiny_shakespeare(None, download="no"), TypeError, "download must be a bool; got 'no' (str)"),
+        (lambda: load_char_corpus(3.0), TypeError, "data_dir must be a str, an os.PathLike or None; got 3.0 (float)"),
+        (lambda: load_char_corpus("/nonexistent", 2.0), ValueError, "train_fraction=2.0 must be in (0, 1)"),  # before any download
+        (lambda: train_val_split(IDS, "0.9"), TypeError, "train_fraction must be a float in (0, 1); got '0.9' (str)"),
+        (lambda: train_val_split(IDS, None), TypeError, "train_fraction must be a float in (0, 1); got None (NoneType)"),
+        (lambda: train_val_split(IDS, True), TypeError, "train_fraction must be a float in (0, 1); got True (bool)"),
+        (lambda: train_val_split(IDS, 0.0), ValueError, "train_fraction=0.0 must be in (0, 1)"),
+        (lambda: train_val_split(IDS, float("nan")), ValueError, "train_fraction=nan must be in (0, 1)"),
+        (lambda: train_val_split([1, 2, 3]), TypeError, "data must be a 1-D torch.Tensor of token ids; got list"),
+        (lambda: train_val_split(None), TypeError, "data must be a 1-D torch.Tensor of token ids; got NoneType"),
+        (lambda: train_val_split(IDS.float()), TypeError, "data must hold integer token ids (e.g. torch.long); got dtype torch.float32"),
+        (lambda: get_batch(IDS.tolist(), 2, 8), TypeError, "data must be a 1-D torch.Tensor of token ids; got list"),
+        (lambda: get_batch("abc" * 10, 2, 8), TypeError, "data must be a 1-D torch.Tensor of token ids; got str"),
+        (lambda: get_batch(IDS > 3, 2, 8), TypeError, "data must hold integer token ids (e.g. torch.long); got dtype torch.bool"),
+        (lambda: get_batch(IDS, True, 8), TypeError, "batch_size must be an int; got True (bool)"),
+        (lambda: get_batch(IDS, 2, 8.0), TypeError, "block_size must be an int; got 8.0 (float)"),
+        (lambda: get_batch(IDS, "2", 8), TypeError, "batch_size must be an int; got '2' (str)"),
+        (lambda: get_batch(IDS, 2, -1), ValueError, "block_size=-1 must be a positive integer"),
+        (lambda: get_batch(IDS, 2, 8, generator=5), TypeError, "generator must be a torch.Generator or None; got int"),
+        (lambda: get_batch(IDS, 2, 8, device="gpu"), ValueError, "device='gpu' is not a torch device (expected cpu, cuda, cuda:N or mps)"),
+        (lambda: get_batch(IDS, 2, 8, device=0), TypeError, "device must be a str or a torch.device (cpu, cuda, cuda:N or mps); got 0 (int)"),
+        pytest.param(lambda: get_batch(IDS, 2, 8, device="cuda"), ValueError, "device='cuda': this machine has no CUDA device",
+                     marks=NO_CUDA),
+    ],
+)
+def test_data_helpers_refuse_bad_arguments(call, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        call()
+
+
+def test_a_data_file_that_is_not_the_text_is_refused(tmp_path):
+    (tmp_path / FILENAME).write_bytes(b"\x80\x81\xff\x00 not text")
+    with pytest.raises(ChecksumError, match=re.escape(f"{tmp_path / FILENAME} has sha256 ")):
+        load_tiny_shakespeare(tmp_path, download=False)
