@@ -14,6 +14,7 @@ import attnlib
 from attnlib import GPT, GPTConfig
 from attnlib.data import FILENAME, ChecksumError, get_batch, load_char_corpus, load_tiny_shakespeare, train_val_split
 from attnlib.history import History
+from attnlib.tokenizers import BPETokenizer, CharTokenizer, WordTokenizer
 from attnlib.train import TrainConfig, load_checkpoint, save_checkpoint, train
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -315,3 +316,122 @@ def test_a_data_file_that_is_not_the_text_is_refused(tmp_path):
     (tmp_path / FILENAME).write_bytes(b"\x80\x81\xff\x00 not text")
     with pytest.raises(ChecksumError, match=re.escape(f"{tmp_path / FILENAME} has sha256 ")):
         load_tiny_shakespeare(tmp_path, download=False)
+
+
+# ---------------------------------------------------------------- tokenizers: arguments
+CHAR = CharTokenizer("hello world")
+WORD = WordTokenizer.from_corpus("hello world foo")
+BPE = BPETokenizer().train("aaabbbaaabbb hello hello", 260)
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: CHAR.encode(None), TypeError, "text must be a str; got NoneType"),
+        (lambda: CHAR.encode(5), TypeError, "text must be a str; got int"),
+        (lambda: CHAR.encode(b"he"), TypeError, "text must be a str; got bytes"),
+        (lambda: CHAR.encode(["h", "e"]), TypeError, "text must be a str; got list"),
+        (lambda: CHAR.decode(torch.tensor([0.0])), TypeError, "ids must hold integer token ids (e.g. torch.long); got dtype torch.float32"),
+        (lambda: CHAR.decode([99]), ValueError, "ids holds token id 99, outside the vocabulary [0, 8) (at index 0)"),
+        (lambda: WordTokenizer(None), TypeError, "words must be an iterable of str (e.g. a list); got NoneType"),
+        (lambda: WordTokenizer(5), TypeError, "words must be an iterable of str (e.g. a list); got int"),
+        (lambda: WordTokenizer("abc"), TypeError, "words must be an iterable of str (e.g. a list); got str"),
+        (lambda: WordTokenizer(b"abc"), TypeError, "words must be an iterable of str (e.g. a list); got bytes"),
+        (lambda: WordTokenizer.from_corpus(None), TypeError, "texts must be an iterable of str (e.g. a list); got NoneType"),
+        (lambda: WordTokenizer.from_corpus(b"a b"), TypeError, "texts must be an iterable of str (e.g. a list); got bytes"),
+        (lambda: WordTokenizer.from_corpus(["a b", 3]), TypeError, "texts[1] must be a str; got 3 (int)"),
+        (lambda: WordTokenizer.from_corpus("a b", min_freq="2"), TypeError, "min_freq must be an int; got '2' (str)"),
+        (lambda: WordTokenizer.from_corpus("a b", min_freq=True), TypeError, "min_freq must be an int; got True (bool)"),
+        (lambda: WordTokenizer.from_corpus("a b", max_size=10.0), TypeError, "max_size must be an int or None; got 10.0 (float)"),
+        (lambda: WORD.encode("hello", add_special_tokens="no"), TypeError, "add_special_tokens must be a bool; got 'no' (str)"),
+        (lambda: WORD.encode("hello", add_special_tokens=None), TypeError, "add_special_tokens must be a bool; got None (NoneType)"),
+        (lambda: WORD.decode([4], skip_special_tokens=0), TypeError, "skip_special_tokens must be a bool; got 0 (int)"),
+        (lambda: WORD.decode(torch.tensor([1.0])), TypeError, "ids must hold integer token ids (e.g. torch.long); got dtype torch.float32"),
+        (lambda: WORD.decode([7]), ValueError, "ids holds token id 7, outside the vocabulary [0, 7) (at index 0)"),
+        (lambda: WORD.pad_batch(None), TypeError, "batch must be a sequence of sequences of token ids (e.g. a list of lists); got NoneType"),
+        (lambda: WORD.pad_batch(5), TypeError, "batch must be a sequence of sequences of token ids (e.g. a list of lists); got int"),
+        (lambda: WORD.pad_batch("ab"), TypeError, "batch must be a sequence of sequences of token ids (e.g. a list of lists); got str"),
+        (lambda: BPETokenizer().train(["a", 5], 260), TypeError, "text must be a str or a list of str, got text[1]=5 (int)"),
+        (lambda: BPETokenizer().train("abab", "300"), TypeError, "vocab_size must be an int, got str"),
+        (lambda: BPETokenizer().train("abab", 257, verbose="x"), TypeError, "verbose must be a bool, got 'x' (str)"),
+        (lambda: BPE.decode(torch.tensor([0.0])), TypeError, "ids must hold integer token ids (e.g. torch.long); got dtype torch.float32"),
+        (lambda: BPE.decode([999]), ValueError, "ids holds token id 999, not in the vocabulary of 260 tokens (at index 0)"),
+        (lambda: BPE.save(None), TypeError, "path must be a str or os.PathLike; got None (NoneType)"),
+        (lambda: BPETokenizer.load(5), TypeError, "path must be a str or os.PathLike; got 5 (int)"),
+        (lambda: BPETokenizer.from_hf(5), TypeError, "hf_tokenizer must be a tokenizers.Tokenizer or the dict of its JSON; got int"),
+        (lambda: BPETokenizer.from_hf({"model": [1]}), ValueError, "expected a Hugging Face BPE model, got [1]"),
+        (lambda: BPETokenizer.from_hf({"model": {"type": "BPE", "merges": []}}), ValueError, "the Hugging Face BPE model has no 'vocab'"),
+    ],
+)
+def test_tokenizers_refuse_bad_arguments(call, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        call()
+
+
+# ---------------------------------------------------------------- tokenizers: saved files
+def _bpe_file(tmp_path, name, edit):
+    data = BPE.to_dict()
+    path = tmp_path / f"{name}.json"
+    content = edit(data)
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return path
+
+
+def _set(data, key, value):
+    return {**data, key: value}
+
+
+def _merge0(value):
+    return lambda d: _set(d, "merges", [value, *d["merges"][1:]])
+
+
+def _vocab(key, value):
+    return lambda d: _set(d, "vocab", {**d["vocab"], key: value})
+
+
+@pytest.mark.parametrize(
+    "name, edit, message",
+    [
+        ("invalid-json", lambda d: '{"format": "attnlib-bpe",\n "vocab": }',
+         "not a saved tokenizer: invalid JSON (Expecting value: line 2 column 11 (char 36))"),
+        ("empty", lambda d: "", "not a saved tokenizer: invalid JSON (Expecting value: line 1 column 1 (char 0))"),
+        ("binary", lambda d: b"\x80\x81\xff", "not a saved tokenizer: not UTF-8 text (invalid start byte at byte 0)"),
+        ("a-list", lambda d: [1, 2], "not an attnlib-bpe description (missing 'format': 'attnlib-bpe')"),
+        ("no-vocab", lambda d: {k: v for k, v in d.items() if k != "vocab"}, "the attnlib-bpe description has no 'vocab'"),
+        ("no-merges", lambda d: {k: v for k, v in d.items() if k != "merges"}, "the attnlib-bpe description has no 'merges'"),
+        ("vocab-a-list", lambda d: _set(d, "vocab", [1, 2]), "'vocab' must be a JSON object; got list"),
+        ("merges-an-object", lambda d: _set(d, "merges", {"a": 1}), "'merges' must be a JSON array; got dict"),
+        ("merge-of-2", _merge0([97, 97]), "merge 0 is [97, 97]; expected [a, b, new_id], three int token ids"),
+        ("merge-of-4", _merge0([97, 97, 256, 1]), "merge 0 is [97, 97, 256, 1]; expected [a, b, new_id]"),
+        ("merge-of-str", _merge0(["a", "a", "aa"]), "merge 0 is ['a', 'a', 'aa']; expected [a, b, new_id]"),
+        ("merge-of-float", _merge0([97.5, 97, 256]), "merge 0 is [97.5, 97, 256]; expected [a, b, new_id]"),
+        ("merge-a-string", _merge0("97 97"), "merge 0 is '97 97'; expected [a, b, new_id]"),
+        ("id-not-an-int", _vocab("x", "61"), "vocab key 'x' is not a token id (a decimal int >= 0)"),
+        ("id-negative", _vocab("-5", "6161"), "vocab key '-5' is not a token id (a decimal int >= 0)"),
+        ("id-float", _vocab("1.5", "61"), "vocab key '1.5' is not a token id (a decimal int >= 0)"),
+        ("id-padded", _vocab("07", "6161"), "vocab key '07' is not a token id (a decimal int >= 0)"),
+        ("bytes-not-hex", _vocab("300", "zz"), "vocab['300'] = 'zz' is not the hex string of one or more bytes"),
+        ("bytes-an-int", _vocab("300", 5), "vocab['300'] = 5 is not the hex string of one or more bytes"),
+        ("bytes-empty", _vocab("300", ""), "vocab['300'] = '' is not the hex string of one or more bytes"),
+        ("merge-unknown-id", _merge0([97, 97, 999]), "merge 0 (((97, 97) -> 999)) uses id 999, which is not in the vocabulary"),
+        ("wrong-version", lambda d: _set(d, "version", 2), "unsupported attnlib-bpe version 2; this is version 1"),
+    ],
+)
+def test_bpe_load_refuses_a_malformed_file(tmp_path, name, edit, message):
+    path = _bpe_file(tmp_path, name, edit)
+    with pytest.raises(ValueError, match=re.escape(f"{path}: {message}")):
+        BPETokenizer.load(path)
+
+
+def test_bpe_load_of_a_missing_file_names_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "nope.json"))):
+        BPETokenizer.load(tmp_path / "nope.json")
+
+
+def test_a_saved_bpe_tokenizer_still_loads(tmp_path):
+    BPE.save(tmp_path / "bpe.json")
+    loaded = BPETokenizer.load(tmp_path / "bpe.json")
+    assert loaded.merges == BPE.merges and loaded.vocab == BPE.vocab
