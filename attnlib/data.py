@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from attnlib._checks import positive_int
+from attnlib._checks import generator_or_none, positive_int
+from attnlib._device import check_device
 from attnlib.tokenizers.char import CharTokenizer
 
 __all__ = [
@@ -85,10 +86,16 @@ def load_tiny_shakespeare(data_dir: str | os.PathLike | None = None, download: b
         The whole text as a ``str``.
 
     Raises:
-        ChecksumError: a file was found (or downloaded) but its sha256 is wrong.
+        TypeError: ``data_dir`` is not a str / PathLike / None, or ``download`` not a bool.
+        ChecksumError: a file was found (or downloaded) but its sha256 is wrong (a file that is
+            not the text, binary or not, fails here).
         DataNotFoundError: no file found and the download was disabled or failed;
             the message lists where it looked and how to fix it.
     """
+    if data_dir is not None and not isinstance(data_dir, (str, os.PathLike)):
+        raise TypeError(f"data_dir must be a str, an os.PathLike or None; got {data_dir!r} ({type(data_dir).__name__})")
+    if not isinstance(download, bool):
+        raise TypeError(f"download must be a bool; got {download!r} ({type(download).__name__})")
     candidates: list[tuple[str, Path]] = []
     if data_dir is not None:
         candidates.append(("data_dir argument", Path(data_dir) / FILENAME))
@@ -127,16 +134,31 @@ def load_tiny_shakespeare(data_dir: str | os.PathLike | None = None, download: b
     return data.decode("utf-8")
 
 
+def _check_fraction(train_fraction: object) -> None:
+    if isinstance(train_fraction, bool) or not isinstance(train_fraction, (int, float)):
+        raise TypeError(f"train_fraction must be a float in (0, 1); got {train_fraction!r} ({type(train_fraction).__name__})")
+    if not 0.0 < train_fraction < 1.0:
+        raise ValueError(f"train_fraction={train_fraction} must be in (0, 1)")
+
+
+def _token_tensor(data: object) -> None:
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"data must be a 1-D torch.Tensor of token ids; got {type(data).__name__}")
+    if data.dtype == torch.bool or data.is_floating_point() or data.is_complex():
+        raise TypeError(f"data must hold integer token ids (e.g. torch.long); got dtype {data.dtype}")
+
+
 def train_val_split(data: torch.Tensor, train_fraction: float = 0.9) -> tuple[torch.Tensor, torch.Tensor]:
     """Split a 1-D token tensor into its first ``train_fraction`` (train) and the rest (validation).
 
     The split is by position, not shuffled, so validation text is text the model never saw.
 
     Raises:
+        TypeError: ``data`` is not an integer tensor, or ``train_fraction`` not a number.
         ValueError: ``train_fraction`` not in (0, 1), or ``data`` not 1-D.
     """
-    if not 0.0 < train_fraction < 1.0:
-        raise ValueError(f"train_fraction={train_fraction} must be in (0, 1)")
+    _check_fraction(train_fraction)
+    _token_tensor(data)
     if data.dim() != 1:
         raise ValueError(f"data must be a 1-D tensor of token ids; got shape {tuple(data.shape)}")
     n = int(train_fraction * len(data))
@@ -162,10 +184,17 @@ def get_batch(
         ``(x, y)``, each ``(batch_size, block_size)`` int64; ``y[b, t] == data[start_b + t + 1]``.
 
     Raises:
-        ValueError: bad sizes, or ``data`` too short for one window.
+        TypeError: ``data`` not an integer tensor, a size not an int, ``generator`` not a
+            ``torch.Generator``, ``device`` not a str / ``torch.device``.
+        ValueError: sizes < 1, ``data`` not 1-D or too short for one window, or a ``device``
+            this machine lacks (e.g. ``"cuda"`` without CUDA).
     """
+    _token_tensor(data)
     positive_int("batch_size", batch_size)
     positive_int("block_size", block_size)
+    generator_or_none(generator)
+    if device is not None:
+        check_device("device", device)
     if data.dim() != 1 or len(data) <= block_size:
         raise ValueError(f"data must be 1-D and longer than block_size={block_size}; got shape {tuple(data.shape)}")
     starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
@@ -190,7 +219,13 @@ class CharCorpus:
 
 
 def load_char_corpus(data_dir: str | os.PathLike | None = None, train_fraction: float = 0.9) -> CharCorpus:
-    """Tiny Shakespeare, character-tokenized (65 ids) and split 90/10: the data of chapter 12."""
+    """Tiny Shakespeare, character-tokenized (65 ids) and split 90/10: the data of chapter 12.
+
+    Raises:
+        TypeError, ValueError: a bad ``train_fraction`` (checked before the text is looked for) or ``data_dir``.
+        ChecksumError, DataNotFoundError: see :func:`load_tiny_shakespeare`.
+    """
+    _check_fraction(train_fraction)
     text = load_tiny_shakespeare(data_dir)
     tokenizer = CharTokenizer(text)
     ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)

@@ -5,6 +5,7 @@ Chapter 12 plots it; :func:`attnlib.train.train` returns it.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -54,8 +55,79 @@ class History:
         return ax
 
     def to_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=1))
+        """Write the history to ``path`` as JSON.
+
+        Raises:
+            TypeError: ``path`` is not a str / PathLike.
+        """
+        Path(_path(path)).write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
     def from_json(cls, path: str | Path) -> History:
-        return cls(**json.loads(Path(path).read_text()))
+        """Read a history written by :meth:`to_json`.
+
+        Raises:
+            TypeError: ``path`` is not a str / PathLike.
+            FileNotFoundError: no file at ``path``.
+            ValueError: the file is not a history (the message names the path and what is wrong): not UTF-8
+                text, invalid JSON (with json's line and column), not an object, a missing or unknown key, a value of the
+                wrong type (``steps`` a list of ints, the losses lists of numbers, the times numbers), or
+                ``steps``, ``train_loss`` and ``val_loss`` of different lengths.
+        """
+        path = Path(_path(path))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not a history: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not a history: invalid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} is not a history: it holds a JSON {type(data).__name__}, expected an object "
+                             f"with the keys {', '.join(_FIELDS)}")
+        for key, value in data.items():
+            if key not in _FIELDS:
+                raise ValueError(f"{path} is not a history: unknown key {key!r} (expected {', '.join(_FIELDS)})")
+            if not _FIELDS[key](value):
+                expected = "a number" if key in ("elapsed_s", "tokens_per_s") else \
+                    "a list of ints" if key == "steps" else "a list of numbers"
+                raise ValueError(f"{path}: {key!r} is {_short(value)}, expected {expected}")
+        missing = [key for key in _FIELDS if key not in data]
+        if missing:
+            raise ValueError(f"{path} is not a history: it lacks the key {missing[0]!r} "
+                             f"(a history written by to_json has {', '.join(_FIELDS)})")
+        lengths = {key: len(data[key]) for key in ("steps", "train_loss", "val_loss")}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"{path}: steps, train_loss and val_loss must have one entry per evaluation; "
+                             f"got lengths {lengths}")
+        return cls(**data)
+
+
+def _path(path: object) -> str | Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike; got {path!r} ({type(path).__name__})")
+    return path
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _numbers(x: object) -> bool:
+    return isinstance(x, list) and all(_number(v) for v in x)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_FIELDS = {
+    "steps": lambda x: isinstance(x, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in x),
+    "train_loss": _numbers,
+    "val_loss": _numbers,
+    "step_loss": _numbers,
+    "elapsed_s": _number,
+    "tokens_per_s": _number,
+}

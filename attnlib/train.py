@@ -15,8 +15,10 @@ single-process step on the whole batch (gloo on CPU, NCCL on GPUs).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +29,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from attnlib._checks import eval_mode, positive_int
+from attnlib._checks import eval_mode, finite_number, positive_int
+from attnlib._device import check_device
 from attnlib._device import device as default_device
 from attnlib.data import get_batch
 from attnlib.history import History
@@ -57,7 +60,14 @@ class TrainConfig:
         weight_decay: AdamW weight decay (PyTorch's default, 0.01).
         grad_clip: clip the gradient norm to this value; ``None`` = no clipping.
         seed: seed of the batch sampler.
-        device: ``None`` = :func:`attnlib.device`.
+        device: ``None`` = :func:`attnlib.device`; else ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"mps"``
+            (whether this machine has it is checked by :func:`train`).
+
+    Raises:
+        TypeError: a size or ``seed`` that is not an int, a rate that is not a number, a ``device``
+            that is not a str / ``torch.device``.
+        ValueError: a size < 1, ``learning_rate`` or ``grad_clip`` <= 0, a negative ``weight_decay``,
+            a non-finite rate, or a ``device`` string that names no device attnlib runs on.
     """
 
     batch_size: int = 16
@@ -73,12 +83,43 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_iters", "eval_interval", "eval_iters"):
             positive_int(name, getattr(self, name))
+        finite_number("learning_rate", self.learning_rate)
+        finite_number("weight_decay", self.weight_decay)
+        if self.grad_clip is not None:
+            finite_number("grad_clip", self.grad_clip)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int; got {self.seed!r} ({type(self.seed).__name__})")
+        if self.device is not None:
+            _device_name(self.device)
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate={self.learning_rate} must be > 0")
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay={self.weight_decay} must be >= 0")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip={self.grad_clip} must be > 0 (or None for no clipping)")
+
+
+def _device_name(value: object) -> None:
+    """Raise unless ``value`` parses as a device attnlib runs on (available or not: :func:`train` checks that)."""
+    if not isinstance(value, (str, torch.device)):
+        raise TypeError(f"device must be a str or a torch.device (cpu, cuda, cuda:N or mps) or None; "
+                        f"got {value!r} ({type(value).__name__})")
+    try:
+        kind = torch.device(value).type
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device={value!r} is not a torch device (expected cpu, cuda, cuda:N or mps)") from None
+    if kind not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device={value!r}: attnlib runs on cpu, cuda or mps")
+
+
+def _token_data(name: str, data: object, block_size: int) -> None:
+    """Raise unless ``data`` is a 1-D integer tensor longer than ``block_size`` (one training window)."""
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"{name} must be a 1-D torch.Tensor of token ids; got {type(data).__name__}")
+    if data.dtype == torch.bool or data.is_floating_point() or data.is_complex():
+        raise TypeError(f"{name} must hold integer token ids (e.g. torch.long); got dtype {data.dtype}")
+    if data.dim() != 1 or len(data) <= block_size:
+        raise ValueError(f"{name} must be 1-D and longer than block_size={block_size}; got shape {tuple(data.shape)}")
 
 
 @torch.no_grad()
@@ -150,14 +191,23 @@ def train(
         The :class:`History` of the run (the same on every process).
 
     Raises:
+        TypeError: ``config`` is not a :class:`TrainConfig`, ``model`` has no ``config.block_size``,
+            or ``train_data`` / ``val_data`` is not an integer tensor.
+        ValueError: the data is not 1-D or not longer than ``block_size``; ``config.device`` (or
+            ``ATTNLIB_DEVICE``) is a device this machine lacks (e.g. ``"cuda"`` without CUDA);
+            when distributed, a ``batch_size`` not divisible by the number of processes.
+            All of these are checked before any work.
         FloatingPointError: if the loss becomes NaN or infinite.
-        ValueError: when distributed, a ``batch_size`` not divisible by the number of processes.
     """
-    config = config or TrainConfig()
+    config = TrainConfig() if config is None else config
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig or None; got {type(config).__name__}")
     block_size = getattr(getattr(model, "config", None), "block_size", None)
     if block_size is None:
         raise TypeError(f"model must have a config.block_size (as attnlib.GPT has); got {type(model).__name__}")
-    dev = torch.device(config.device) if config.device else default_device()
+    _token_data("train_data", train_data, block_size)
+    _token_data("val_data", val_data, block_size)
+    dev = check_device("device", config.device) if config.device else default_device()
     if dev.type == "cuda" and "LOCAL_RANK" in os.environ:
         dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     rank, world_size = distributed_context(dev)
@@ -210,19 +260,96 @@ def train(
     return history
 
 
+def _path(name: str, path: object) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a str or os.PathLike; got {path!r} ({type(path).__name__})")
+    return Path(path)
+
+
 def save_checkpoint(path: str | Path, model: nn.Module, **extra) -> None:
-    """Save the model's config and weights (and any JSON-able ``extra``) to ``path``."""
+    """Save the model's config and weights (and any JSON-able ``extra``) to ``path``.
+
+    Raises:
+        TypeError: ``path`` is not a str / PathLike, or ``model`` has no ``config.to_dict`` (as :class:`attnlib.GPT` has).
+        ValueError: ``extra`` uses the reserved key ``"config"`` or ``"state_dict"``, or holds a value
+            that is not JSON-able (it could not be loaded back with ``weights_only=True``).
+    """
+    path = _path("path", path)
+    if not isinstance(model, nn.Module) or not callable(getattr(getattr(model, "config", None), "to_dict", None)):
+        raise TypeError(f"model must be an nn.Module with a config.to_dict() (as attnlib.GPT has); got {type(model).__name__}")
+    reserved = sorted({"config", "state_dict"} & extra.keys())
+    if reserved:
+        raise ValueError(f"extra key {reserved[0]!r} is reserved: the checkpoint stores the model's own {reserved[0]} there")
+    for key, value in extra.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"extra {key}={value!r} is not JSON-able (a str, number, bool, None, or a list or dict "
+                             f"of these)") from None
     torch.save({"config": model.config.to_dict(derived=False), "state_dict": model.state_dict(), **extra}, path)
 
 
+def _check_state_dict(path: Path, state: dict, model: nn.Module) -> None:
+    """Raise ValueError naming the first parameter of ``state`` that ``model`` lacks, misses or shapes otherwise."""
+    expected = model.state_dict()
+    for key, value in state.items():
+        if key not in expected:
+            raise ValueError(f"{path}: the checkpoint has a parameter {key!r} that the model of its config lacks")
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{path}: parameter {key!r} is a {type(value).__name__}, not a tensor")
+        if value.shape != expected[key].shape:
+            raise ValueError(f"{path}: parameter {key!r} has shape {tuple(value.shape)}, but the model of its config "
+                             f"expects {tuple(expected[key].shape)}")
+    missing = [key for key in expected if key not in state]
+    if missing:
+        raise ValueError(f"{path}: the checkpoint lacks the parameter {missing[0]!r} ({len(missing)} missing in all)")
+
+
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu"):
-    """Rebuild the :class:`attnlib.GPT` saved by :func:`save_checkpoint`; returns ``(model, extra)``."""
+    """Rebuild the :class:`attnlib.GPT` saved by :func:`save_checkpoint`; returns ``(model, extra)``.
+
+    Raises:
+        TypeError: ``path`` is not a str / PathLike; ``map_location`` is not a str / ``torch.device``
+            (or a dict / callable, passed to ``torch.load``).
+        FileNotFoundError: no file at ``path``.
+        ValueError: ``map_location`` names a device this machine lacks; or the file is not a checkpoint of
+            :func:`save_checkpoint`: not a torch file, not a dict with ``"config"`` and ``"state_dict"``,
+            a config :class:`attnlib.GPTConfig` refuses, or a parameter missing, extra or of another shape
+            than the config's model (the message names the path and the parameter).
+    """
     from attnlib.models.config import GPTConfig
     from attnlib.models.decoder import GPT
 
-    ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    model = GPT(GPTConfig(**ckpt.pop("config")))
-    model.load_state_dict(ckpt.pop("state_dict"))
+    path = _path("path", path)
+    if isinstance(map_location, (str, torch.device)):
+        check_device("map_location", map_location)
+    elif not (isinstance(map_location, dict) or callable(map_location)):
+        raise TypeError(f"map_location must be a str or a torch.device; got {map_location!r} ({type(map_location).__name__})")
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except OSError:
+        raise  # a directory, no permission: the OS's own message names the path
+    except (RuntimeError, EOFError, KeyError, IndexError, AttributeError, ValueError, pickle.UnpicklingError) as e:
+        reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}" if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path} is not a checkpoint written by save_checkpoint: torch.load failed ({reason})") from None
+    if not isinstance(ckpt, dict):
+        raise ValueError(f"{path} is not a checkpoint written by save_checkpoint: it holds a {type(ckpt).__name__}, "
+                         f"not a dict with 'config' and 'state_dict'")
+    for key in ("config", "state_dict"):
+        if key not in ckpt:
+            raise ValueError(f"{path} is not a checkpoint written by save_checkpoint: it has no {key!r} "
+                             f"(its keys: {sorted(map(str, ckpt))[:5]}{' ...' if len(ckpt) > 5 else ''})")
+        if not isinstance(ckpt[key], dict):
+            raise ValueError(f"{path}: {key!r} is a {type(ckpt[key]).__name__}, expected a dict")
+    try:
+        model = GPT(GPTConfig(**ckpt.pop("config")))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: its 'config' is not a valid GPTConfig: {e}") from None
+    state = ckpt.pop("state_dict")
+    _check_state_dict(path, state, model)
+    model.load_state_dict(state)
     return model, ckpt
 
 

@@ -60,6 +60,12 @@ def bytes_to_unicode() -> dict[int, str]:
     return table
 
 
+def _check_path(path: object) -> str | os.PathLike:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike; got {path!r} ({type(path).__name__})")
+    return path
+
+
 def _check_ids(ids: object, vocab: dict[int, bytes]) -> list[int]:
     return token_id_list("ids", ids, vocab)  # ids kept from Hugging Face need not be 0..n-1
 
@@ -126,14 +132,20 @@ class BPETokenizer:
             ``self``, trained: ``merges[k] = ((a, b), 256 + k)``.
 
         Raises:
-            TypeError: ``text`` is not a str (or list of str) or ``vocab_size`` not an int.
+            TypeError: ``text`` is not a str (or list of str; the first other element is named),
+                ``vocab_size`` not an int, ``verbose`` not a bool.
             ValueError: ``vocab_size < 256``.
         """
         pieces = [text] if isinstance(text, str) else text
-        if not isinstance(pieces, (list, tuple)) or not all(isinstance(t, str) for t in pieces):
+        if not isinstance(pieces, (list, tuple)):
             raise TypeError(f"text must be a str or a list of str, got {type(text).__name__}")
+        for i, t in enumerate(pieces):
+            if not isinstance(t, str):
+                raise TypeError(f"text must be a str or a list of str, got text[{i}]={t!r} ({type(t).__name__})")
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
             raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
+        if not isinstance(verbose, bool):
+            raise TypeError(f"verbose must be a bool, got {verbose!r} ({type(verbose).__name__})")
         if vocab_size < 256:
             raise ValueError(f"vocab_size={vocab_size} is smaller than the 256 byte tokens")
         self.vocab = {i: bytes([i]) for i in range(256)}
@@ -235,27 +247,78 @@ class BPETokenizer:
 
     @classmethod
     def from_dict(cls, data: dict) -> BPETokenizer:
-        """Inverse of :meth:`to_dict`; ValueError if the data is not an attnlib BPE description."""
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: the data is not an attnlib BPE description: another ``format`` or ``version``, a
+                missing key, a ``vocab`` that is not an object of ``"id": "hex bytes"`` (ids decimal ints >= 0,
+                bytes non-empty), a merge that is not ``[a, b, new_id]`` of ints, or merges inconsistent
+                with the vocabulary (the message names the entry).
+        """
         if not isinstance(data, dict) or data.get("format") != _FORMAT:
             raise ValueError(f"not an {_FORMAT} description (missing 'format': {_FORMAT!r})")
         if data.get("version") != _VERSION:
             raise ValueError(f"unsupported {_FORMAT} version {data.get('version')!r}; this is version {_VERSION}")
+        for key, kind in (("vocab", dict), ("merges", list)):
+            if key not in data:
+                raise ValueError(f"the {_FORMAT} description has no {key!r}")
+            if not isinstance(data[key], kind):
+                raise ValueError(f"{key!r} must be a JSON {'object' if kind is dict else 'array'}; "
+                                 f"got {type(data[key]).__name__}")
+        vocab = {}
+        for key, value in data["vocab"].items():
+            if not (isinstance(key, str) and key.isascii() and key.isdigit() and str(int(key)) == key):
+                raise ValueError(f"vocab key {key!r} is not a token id (a decimal int >= 0)")
+            try:
+                piece = bytes.fromhex(value) if isinstance(value, str) else None
+            except ValueError:
+                piece = None
+            if not piece:
+                raise ValueError(f"vocab[{key!r}] = {value!r} is not the hex string of one or more bytes")
+            vocab[int(key)] = piece
+        merges = []
+        for rank, merge in enumerate(data["merges"]):
+            if not (isinstance(merge, list) and len(merge) == 3
+                    and all(isinstance(i, int) and not isinstance(i, bool) for i in merge)):
+                raise ValueError(f"merge {rank} is {merge!r}; expected [a, b, new_id], three int token ids")
+            a, b, new = merge
+            merges.append(((a, b), new))
         tok = cls()
-        tok.vocab = {int(i): bytes.fromhex(h) for i, h in data["vocab"].items()}
-        tok.merges = [((int(a), int(b)), int(new)) for a, b, new in data["merges"]]
+        tok.vocab, tok.merges = vocab, merges
         tok._rebuild()
         return tok
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the tokenizer to ``path`` as JSON (see :meth:`to_dict`)."""
-        with open(path, "w", encoding="utf-8") as f:
+        """Write the tokenizer to ``path`` as JSON (see :meth:`to_dict`).
+
+        Raises:
+            TypeError: ``path`` is not a str / PathLike.
+        """
+        with open(_check_path(path), "w", encoding="utf-8") as f:
             json.dump(self.to_dict(), f)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> BPETokenizer:
-        """Read a tokenizer written by :meth:`save`."""
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        """Read a tokenizer written by :meth:`save`.
+
+        Raises:
+            TypeError: ``path`` is not a str / PathLike.
+            FileNotFoundError: no file at ``path``.
+            ValueError: the file is not a saved tokenizer; the message starts with the path and says what is
+                wrong: not UTF-8 text, invalid JSON (with json's line and column), or what :meth:`from_dict` refuses.
+        """
+        path = _check_path(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not a saved tokenizer: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a saved tokenizer: invalid JSON ({e})") from None
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     # -- Hugging Face --------------------------------------------------------------------------------
     @classmethod
@@ -274,12 +337,20 @@ class BPETokenizer:
             Hugging Face tokenizer does not split the text first (no regex pre-tokenizer).
 
         Raises:
-            ValueError: the model is not BPE, or a vocabulary entry is not made of byte characters.
+            TypeError: ``hf_tokenizer`` is neither a ``tokenizers.Tokenizer`` nor a dict.
+            ValueError: the model is not BPE or lacks its vocab / merges, or a vocabulary entry is not made
+                of byte characters.
         """
+        if not isinstance(hf_tokenizer, dict) and not callable(getattr(hf_tokenizer, "to_str", None)):
+            raise TypeError(f"hf_tokenizer must be a tokenizers.Tokenizer or the dict of its JSON; "
+                            f"got {type(hf_tokenizer).__name__}")
         data = hf_tokenizer if isinstance(hf_tokenizer, dict) else json.loads(hf_tokenizer.to_str())
         model = data.get("model", {})
-        if model.get("type") != "BPE":
-            raise ValueError(f"expected a Hugging Face BPE model, got {model.get('type')!r}")
+        if not isinstance(model, dict) or model.get("type") != "BPE":
+            raise ValueError(f"expected a Hugging Face BPE model, got {model.get('type') if isinstance(model, dict) else model!r}")
+        for key in ("vocab", "merges"):
+            if key not in model:
+                raise ValueError(f"the Hugging Face BPE model has no {key!r}")
         char_to_byte = {c: b for b, c in bytes_to_unicode().items()}
         special = {t["content"] for t in data.get("added_tokens", [])}
         vocab: dict[int, bytes] = {}

@@ -16,6 +16,7 @@ class CharTokenizer:
             (Tiny Shakespeare has 65).
 
     Raises:
+        TypeError: ``text`` is not a str.
         ValueError: if ``text`` is empty.
     """
 
@@ -33,7 +34,14 @@ class CharTokenizer:
         return len(self.chars)
 
     def encode(self, text: str) -> list[int]:
-        """Ids of the characters of ``text``; ValueError names the first unknown character."""
+        """Ids of the characters of ``text``.
+
+        Raises:
+            TypeError: ``text`` is not a str.
+            ValueError: a character is not in the vocabulary (the first one is named).
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str; got {type(text).__name__}")
         try:
             return [self.stoi[ch] for ch in text]
         except KeyError as e:

@@ -52,6 +52,16 @@ def _check_max_length(max_length: object, smallest: int) -> int | None:
     return max_length
 
 
+def _check_flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool; got {value!r} ({type(value).__name__})")
+
+
+def _check_words(name: str, words: object) -> None:
+    if isinstance(words, (str, bytes)) or not isinstance(words, Iterable):
+        raise TypeError(f"{name} must be an iterable of str (e.g. a list); got {type(words).__name__}")
+
+
 class WordTokenizer:
     """One id per word of a vocabulary, plus the four special tokens (chapter 11).
 
@@ -62,11 +72,12 @@ class WordTokenizer:
             tokens. Duplicates and special tokens are not allowed.
 
     Raises:
-        TypeError: a word is not a str.
+        TypeError: ``words`` is a str, bytes or not iterable, or a word is not a str.
         ValueError: a word is repeated, empty, or is a special token.
     """
 
     def __init__(self, words: Iterable[str]) -> None:
+        _check_words("words", words)
         self.itos: list[str] = list(SPECIAL_TOKENS)
         self.stoi: dict[str, int] = {t: i for i, t in enumerate(self.itos)}
         for w in words:
@@ -97,17 +108,24 @@ class WordTokenizer:
             max_size: the largest vocabulary size, special tokens included (>= 4), or None.
 
         Raises:
-            TypeError: ``texts`` is neither a str nor an iterable of str.
+            TypeError: ``texts`` is neither a str nor an iterable of str; ``min_freq`` / ``max_size`` not an int.
             ValueError: ``min_freq < 1`` or ``max_size < 4``.
         """
         if isinstance(texts, str):
             texts = [texts]
-        if isinstance(min_freq, bool) or not isinstance(min_freq, int) or min_freq < 1:
+        _check_words("texts", texts)
+        for name, value in (("min_freq", min_freq), ("max_size", max_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be an int{' or None' if name == 'max_size' else ''}; "
+                                f"got {value!r} ({type(value).__name__})")
+        if min_freq is None or min_freq < 1:
             raise ValueError(f"min_freq={min_freq!r} must be an int >= 1")
-        if max_size is not None and (isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 4):
+        if max_size is not None and max_size < 4:
             raise ValueError(f"max_size={max_size!r} must be None or an int >= 4 (the special tokens take 4 ids)")
         counts: Counter[str] = Counter()
-        for text in texts:
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise TypeError(f"texts[{i}] must be a str; got {text!r} ({type(text).__name__})")
             counts.update(cls.split(text))
         ranked = sorted((w for w, c in counts.items() if c >= min_freq and w not in SPECIAL_TOKENS),
                         key=lambda w: (-counts[w], w))
@@ -136,9 +154,10 @@ class WordTokenizer:
                 with special tokens ``max_length`` must be at least 2.
 
         Raises:
-            TypeError: ``text`` is not a str, ``max_length`` not an int.
+            TypeError: ``text`` is not a str, ``add_special_tokens`` not a bool, ``max_length`` not an int.
             ValueError: ``max_length`` is negative (or below 2 with special tokens).
         """
+        _check_flag("add_special_tokens", add_special_tokens)
         max_length = _check_max_length(max_length, 2 if add_special_tokens else 0)
         ids = [self.stoi.get(w, UNK_ID) for w in self.split(text)]
         if add_special_tokens:
@@ -156,9 +175,11 @@ class WordTokenizer:
                 stands for a word.
 
         Raises:
-            TypeError: a str, a bool/float tensor, or an element that is not an integer.
+            TypeError: a str, a bool/float tensor, or an element that is not an integer;
+                ``skip_special_tokens`` not a bool.
             ValueError: an id is outside ``[0, vocab_size)`` (the message names it).
         """
+        _check_flag("skip_special_tokens", skip_special_tokens)
         words = []
         for i in token_id_list("ids", ids, self.vocab_size):
             if skip_special_tokens and i in (PAD_ID, BOS_ID, EOS_ID):
@@ -181,9 +202,13 @@ class WordTokenizer:
 
         Raises:
             ValueError: the batch is empty, ``max_length`` is negative, or an id is outside the vocabulary (named).
-            TypeError: an element is not a sequence of ints (a bool/float tensor included).
+            TypeError: ``batch`` is not a sequence (a str included), or an element is not a sequence of ints
+                (a bool/float tensor included).
         """
         max_length = _check_max_length(max_length, 0)
+        if isinstance(batch, (str, bytes)) or not isinstance(batch, (Sequence, torch.Tensor)):
+            raise TypeError(f"batch must be a sequence of sequences of token ids (e.g. a list of lists); "
+                            f"got {type(batch).__name__}")
         if isinstance(batch, torch.Tensor):
             batch = list(batch)
         if len(batch) == 0:
