@@ -156,6 +156,9 @@ def _write_checkpoint(case, path, model):
         torch.save({"config": cfg, "state_dict": sd}, path)
     elif case == "parameter-a-str":
         torch.save({"config": cfg, "state_dict": {**sd, "tok_emb.weight": "x"}}, path)
+    elif case == "int8-weights":  # a quantised checkpoint: its scales are elsewhere, a cast would be wrong
+        torch.save({"config": cfg, "state_dict": {**sd, "tok_emb.weight": (sd["tok_emb.weight"] * 100).to(torch.int8)}},
+                   path)
 
 
 @pytest.mark.parametrize(
@@ -176,6 +179,7 @@ def _write_checkpoint(case, path, model):
         ("more-layers", ": the checkpoint has a parameter 'blocks.1.ln_1.weight' that the model of its config lacks"),
         ("missing-parameter", ": the checkpoint lacks the parameter 'tok_emb.weight' (1 missing in all)"),
         ("parameter-a-str", ": parameter 'tok_emb.weight' is a str, not a tensor"),
+        ("int8-weights", ": parameter 'tok_emb.weight' has dtype torch.int8; the model's is floating point"),
     ],
 )
 def test_load_checkpoint_refuses_a_file_that_is_not_one(checkpoint_dir, case, message):

@@ -35,11 +35,10 @@ from collections.abc import Iterable
 
 from attnlib._checks import token_id_list
 from attnlib.tokenizers._pairs import PairSequence
+from attnlib.tokenizers._saved import FORMAT, VERSION, parse_description, read_json
 
 __all__ = ["BPETokenizer", "bytes_to_unicode"]
 
-_FORMAT = "attnlib-bpe"
-_VERSION = 1
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -239,8 +238,8 @@ class BPETokenizer:
     def to_dict(self) -> dict:
         """A JSON-ready description: bytes as hex strings, merges as ``[a, b, new_id]``."""
         return {
-            "format": _FORMAT,
-            "version": _VERSION,
+            "format": FORMAT,
+            "version": VERSION,
             "vocab": {str(i): piece.hex() for i, piece in sorted(self.vocab.items())},
             "merges": [[a, b, new] for (a, b), new in self.merges],
         }
@@ -255,34 +254,7 @@ class BPETokenizer:
                 bytes non-empty), a merge that is not ``[a, b, new_id]`` of ints, or merges inconsistent
                 with the vocabulary (the message names the entry).
         """
-        if not isinstance(data, dict) or data.get("format") != _FORMAT:
-            raise ValueError(f"not an {_FORMAT} description (missing 'format': {_FORMAT!r})")
-        if data.get("version") != _VERSION:
-            raise ValueError(f"unsupported {_FORMAT} version {data.get('version')!r}; this is version {_VERSION}")
-        for key, kind in (("vocab", dict), ("merges", list)):
-            if key not in data:
-                raise ValueError(f"the {_FORMAT} description has no {key!r}")
-            if not isinstance(data[key], kind):
-                raise ValueError(f"{key!r} must be a JSON {'object' if kind is dict else 'array'}; "
-                                 f"got {type(data[key]).__name__}")
-        vocab = {}
-        for key, value in data["vocab"].items():
-            if not (isinstance(key, str) and key.isascii() and key.isdigit() and str(int(key)) == key):
-                raise ValueError(f"vocab key {key!r} is not a token id (a decimal int >= 0)")
-            try:
-                piece = bytes.fromhex(value) if isinstance(value, str) else None
-            except ValueError:
-                piece = None
-            if not piece:
-                raise ValueError(f"vocab[{key!r}] = {value!r} is not the hex string of one or more bytes")
-            vocab[int(key)] = piece
-        merges = []
-        for rank, merge in enumerate(data["merges"]):
-            if not (isinstance(merge, list) and len(merge) == 3
-                    and all(isinstance(i, int) and not isinstance(i, bool) for i in merge)):
-                raise ValueError(f"merge {rank} is {merge!r}; expected [a, b, new_id], three int token ids")
-            a, b, new = merge
-            merges.append(((a, b), new))
+        vocab, merges = parse_description(data)
         tok = cls()
         tok.vocab, tok.merges = vocab, merges
         tok._rebuild()
@@ -308,13 +280,7 @@ class BPETokenizer:
                 wrong: not UTF-8 text, invalid JSON (with json's line and column), or what :meth:`from_dict` refuses.
         """
         path = _check_path(path)
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not a saved tokenizer: not UTF-8 text ({e.reason} at byte {e.start})") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not a saved tokenizer: invalid JSON ({e})") from None
+        data = read_json(path, "a saved tokenizer")
         try:
             return cls.from_dict(data)
         except ValueError as e:
