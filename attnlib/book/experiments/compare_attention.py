@@ -268,6 +268,8 @@ def _variants(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(
             f"{text!r}: expected comma-separated names from {(*ATTENTION_LAYERS, *LEAKY_VARIANTS)}"
         )
+    if repeated := sorted({v for i, v in enumerate(names) if v in names[:i]}):
+        raise argparse.ArgumentTypeError(f"{text!r} repeats {','.join(repeated)} (expected each variant once)")
     return names
 
 
@@ -310,8 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
                                wall_s=round(time.perf_counter() - started, 1))
         if earlier is not None:
             results = merge_seeds(earlier, results)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        _cli.write_json(args.out, results)  # atomic: a run stopped while writing keeps the last complete file
         return results
 
     seeds = None if args.seeds is None else tuple(args.seeds)
