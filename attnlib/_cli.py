@@ -32,6 +32,7 @@ __all__ = [
     "output_file",
     "positive_float",
     "positive_int",
+    "seed",
     "top_p",
     "write_json",
     "write_text",
@@ -71,6 +72,16 @@ nonnegative_float = _ranged(float, lambda v: v >= 0, "{value} is negative (expec
 fraction = _ranged(float, lambda v: 0 <= v < 1, "{value} is not in [0, 1)", "A number in [0, 1) (a dropout probability).")
 top_p = _ranged(float, lambda v: 0 < v <= 1, "{value} is not in (0, 1]",
                 "A number in (0, 1] (nucleus sampling's probability mass; 1 keeps every token).")
+
+
+def seed(text: str) -> int:
+    """A random seed: an integer that ``torch.manual_seed`` takes, ``0 <= seed < 2**64``."""
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative (expected a seed, 0 <= seed < 2**64)")
+    if value >= 2**64:
+        raise argparse.ArgumentTypeError(f"{value} is too large (expected a seed, 0 <= seed < 2**64)")
+    return value
 
 
 def device(text: str) -> str:

@@ -91,6 +91,8 @@ BENCH_CASES = [
     (["mha", "--repeats", "0"], "argument --repeats: 0 must be positive"),
     (["kv-cache", "--variants", "mha,gqa2"], "argument --variants: gqa2 not among mha,gqa,mqa,mla"),
     (["serving", "--prompts", "0"], "argument --prompts: 0 must be >= 1"),
+    (["serving", "--seed", str(2**64)], f"argument --seed: {2**64} is outside the seeds torch takes"),
+    (["layer-types", "--seed", str(-(2**63) - 1)], "is outside the seeds torch takes, [-2**63, 2**64)"),
     # tokens past the model's context
     (["kv-cache", "--tokens", "2000"], "argument --tokens: --prompt-len 8 + --tokens 2000 exceeds the model's block_size 1024"),
     (["kv-cache", "--small", "--tokens", "30"], "--prompt-len 8 + --tokens 30 exceeds the model's block_size 32"),
@@ -175,6 +177,9 @@ EXPERIMENT_CASES = [
     ("long_context", ["--positions", "rope,xpos"], "argument --positions: xpos not among rope,alibi,learned,nope"),
     ("long_context", ["--context", "4"], "argument --context: 4 leaves no window beside the 4 sinks"),
     ("long_context", ["--seed", "-1"], "argument --seed: -1 is negative"),
+    ("long_context", ["--seed", str(2**64)], f"argument --seed: {2**64} is too large (expected a seed, 0 <= seed < 2**64)"),
+    ("compare_attention", ["--seeds", "0", str(2**64)], f"argument --seeds: {2**64} is too large"),
+    ("beyond_softmax", ["--seeds", "1", "x"], "argument --seeds: 'x' is not an integer"),
     ("compare_attention", ["--variants", "mha,gqa,mha"], "argument --variants: 'mha,gqa,mha' repeats mha"),
     ("compare_attention", ["--variants", ","], "argument --variants: ',': expected comma-separated names"),
     ("compare_attention", ["--max-iters", "0"], "argument --max-iters: 0 is not a positive integer"),

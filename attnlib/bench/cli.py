@@ -225,6 +225,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     elif args.benchmark in COMMANDS:
         _check_lists(parser, args)
         COMMANDS[args.benchmark].check(parser, args)
+        if getattr(args, "seed", None) is not None and not -(2**63) <= args.seed < 2**64:
+            parser.error(f"argument --seed: {args.seed} is outside the seeds torch takes, [-2**63, 2**64)")
     else:
         sizes = TRAIN_SMALL if args.small else {name: TRAIN_SIZES[name] for name in args.sizes}
         args.train_sizes = {name: (config, args.batch or batch) for name, (config, batch) in sizes.items()}

@@ -183,7 +183,7 @@ def load_results(path: str | Path | None = None) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     """Command line: train and write the results file, or (``--topk-only``) add the top-k losses to it."""
     p = argparse.ArgumentParser(prog="python -m attnlib.book.experiments.beyond_softmax", description=main.__doc__)
-    p.add_argument("--seeds", type=_cli.nonnegative_int, nargs="+", default=[TRAINING["seed"]])
+    p.add_argument("--seeds", type=_cli.seed, nargs="+", default=[TRAINING["seed"]])
     p.add_argument("--max-iters", type=_cli.positive_int, default=TRAINING["max_iters"])
     p.add_argument("--eval-interval", type=_cli.positive_int, default=TRAINING["eval_interval"])
     p.add_argument("--eval-iters", type=_cli.positive_int, default=TRAINING["eval_iters"])

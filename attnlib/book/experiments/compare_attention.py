@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-iters", type=_cli.positive_int, default=TRAINING["max_iters"])
     p.add_argument("--eval-interval", type=_cli.positive_int, default=TRAINING["eval_interval"])
     p.add_argument("--eval-iters", type=_cli.positive_int, default=TRAINING["eval_iters"])
-    p.add_argument("--seeds", type=_cli.nonnegative_int, nargs="+", default=None,
+    p.add_argument("--seeds", type=_cli.seed, nargs="+", default=None,
                    help=f"train every causal variant with each seed (default: {TRAINING['seed']})")
     p.add_argument("--merge-with", type=Path, default=None, metavar="FILE",
                    help="add these seeds' runs to an earlier results file (same settings) and write both")

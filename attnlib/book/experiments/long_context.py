@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--positions", type=_cli.name_list(POSITION_KINDS), default=list(POSITION_KINDS),
                         help=f"comma-separated models to train (default {','.join(POSITION_KINDS)})")
     parser.add_argument("--stream", type=_cli.positive_int, default=1024, help="tokens in the streaming test")
-    parser.add_argument("--seed", type=_cli.nonnegative_int, default=1337)
+    parser.add_argument("--seed", type=_cli.seed, default=1337)
     parser.add_argument("--out", type=_cli.output_file, default="attnlib/book/results/long_context.json")
     args = parser.parse_args(argv)
     kinds = args.positions
