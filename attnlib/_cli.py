@@ -3,15 +3,20 @@
 Each function is an argparse ``type=`` callable: it returns the parsed value or raises
 :class:`argparse.ArgumentTypeError` naming the value and what was expected, so argparse
 prints ``prog: error: argument --flag: ...`` and exits with status 2 before anything runs.
-The output-path checks create nothing: they look for the first existing ancestor and ask
-whether it is a writable directory, so a long run is never lost to an output path that
-could not be written at the end.
+The output-path checks create nothing that stays: they find the first existing ancestor and
+make (and remove) a file in it, so a long run is never lost to an output path that could not be
+written at the end (a permission check alone misses read-only file systems, and root). Results are
+written with :func:`write_json`: to a temporary file beside the target, then renamed onto it, so an
+interrupted run never leaves a truncated file.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -19,13 +24,18 @@ import torch
 __all__ = [
     "device",
     "fraction",
+    "int_list",
+    "name_list",
     "nonnegative_float",
     "nonnegative_int",
     "output_dir",
     "output_file",
     "positive_float",
     "positive_int",
+    "seed",
     "top_p",
+    "write_json",
+    "write_text",
 ]
 
 
@@ -64,6 +74,16 @@ top_p = _ranged(float, lambda v: 0 < v <= 1, "{value} is not in (0, 1]",
                 "A number in (0, 1] (nucleus sampling's probability mass; 1 keeps every token).")
 
 
+def seed(text: str) -> int:
+    """A random seed: an integer that ``torch.manual_seed`` takes, ``0 <= seed < 2**64``."""
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative (expected a seed, 0 <= seed < 2**64)")
+    if value >= 2**64:
+        raise argparse.ArgumentTypeError(f"{value} is too large (expected a seed, 0 <= seed < 2**64)")
+    return value
+
+
 def device(text: str) -> str:
     """A torch device string that this machine has (``cpu``, ``cuda``, ``cuda:1``, ``mps``)."""
     try:
@@ -86,12 +106,17 @@ def _creatable_dir(path: Path, text: str) -> None:
     probe = path.absolute()
     while not probe.exists():
         if probe.is_symlink():  # a dangling link
-            raise argparse.ArgumentTypeError(f"{text!r}: {probe} is a broken symbolic link")
+            raise argparse.ArgumentTypeError(f"cannot write {text!r}: {probe} is a broken symbolic link")
         probe = probe.parent
     if not probe.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r}: {probe} exists and is not a directory")
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {probe} exists and is not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text!r}: the directory {probe} is not writable")
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: the directory {probe} is not writable")
+    try:  # the real test: os.access says yes to root, and on a read-only file system
+        with tempfile.TemporaryFile(dir=probe, prefix=".attnlib-probe-"):
+            pass
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: the directory {probe} refuses a new file ({err.strerror})") from None
 
 
 def output_dir(text: str) -> Path:
@@ -114,3 +139,80 @@ def output_file(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text!r} exists and is not writable")
     _creatable_dir(path.parent, text)
     return path
+
+
+def _split(text: str) -> list[str]:
+    return [part for part in text.replace(" ", ",").split(",") if part]
+
+
+def _no_repeats(items: list, text: str) -> None:
+    if repeated := list(dict.fromkeys(x for i, x in enumerate(items) if x in items[:i])):
+        raise argparse.ArgumentTypeError(f"{text!r} repeats {','.join(map(str, repeated))} (expected each once)")
+
+
+def name_list(choices: Sequence[str], unique: bool = True) -> Callable[[str], list[str]]:
+    """An argparse type: comma-separated names from ``choices``, at least one (each once, with ``unique``)."""
+    def parse(text: str) -> list[str]:
+        names = _split(text)
+        if not names:
+            raise argparse.ArgumentTypeError(f"{text!r} names nothing; choose from {','.join(choices)}")
+        if unknown := [n for n in names if n not in choices]:
+            raise argparse.ArgumentTypeError(f"{','.join(unknown)} not among {','.join(choices)}")
+        if unique:
+            _no_repeats(names, text)
+        return names
+
+    parse.__name__ = "names"  # argparse's "invalid names value" if anything else goes wrong
+    return parse
+
+
+def int_list(low: int = 1, unique: bool = True) -> Callable[[str], list[int]]:
+    """An argparse type: comma-separated integers ``>= low``, at least one (each once, with ``unique``)."""
+    def parse(text: str) -> list[int]:
+        parts = _split(text)
+        if not parts:
+            raise argparse.ArgumentTypeError(f"{text!r} holds no integers (expected e.g. 32,64)")
+        values = []
+        for part in parts:
+            try:
+                values.append(int(part))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{part!r} in {text!r} is not an integer") from None
+            if values[-1] < low:
+                raise argparse.ArgumentTypeError(f"{values[-1]} in {text!r} must be >= {low}")
+        if unique:
+            _no_repeats(values, text)
+        return values
+
+    parse.__name__ = "integers"
+    return parse
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically (directories created as needed); return the path.
+
+    The text goes to a temporary file beside ``path`` that then replaces it in one step
+    (``os.replace``): an interrupted or failed write leaves the old file as it was, and no
+    temporary file behind.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # same directory: os.replace stays one rename
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def write_json(path: str | Path, payload, indent: int | None = 1, newline: bool = True) -> Path:
+    """``payload`` as JSON, written atomically by :func:`write_text`; return the path.
+
+    The text is ``json.dumps(payload, indent=indent)``, and a final newline with ``newline``.
+
+    Serialised before anything is written: a value JSON cannot take raises ``TypeError`` and the
+    old file stays as it was. Every command line of attnlib writes its results with this.
+    """
+    text = json.dumps(payload, indent=indent) + ("\n" if newline else "")
+    return write_text(path, text)

@@ -15,6 +15,7 @@ import torch
 from torch.utils import benchmark
 
 import attnlib
+from attnlib import _cli
 
 __all__ = ["Command", "environment", "load_average", "format_environment", "format_table", "load_results", "resolve_device",
            "threads", "time_after_setup", "time_calls", "write_json"]
@@ -179,19 +180,11 @@ def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) 
 def write_json(path: str | Path, payload: dict) -> Path:
     """Write a benchmark's settings, environment and rows as JSON (directories created as needed).
 
-    Atomic: the text goes to a temporary file beside ``path``, which then replaces ``path`` in one
-    step (``os.replace``), so an interrupted run never leaves a half-written results file.
+    Atomic (:func:`attnlib._cli.write_json`): the text goes to a temporary file beside ``path``, which
+    then replaces ``path`` in one step (``os.replace``), so an interrupted run never leaves a
+    half-written results file; a value JSON cannot take fails before anything is written.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(payload, indent=1) + "\n"  # serialised first: a value JSON cannot take fails here
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # same directory: os.replace stays one rename
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return _cli.write_json(path, payload, indent=1, newline=True)
 
 
 def load_results(path: str | Path) -> dict:

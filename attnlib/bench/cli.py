@@ -9,7 +9,6 @@ in seconds (tests, the install check).
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from attnlib import _cli
 from attnlib.bench._common import DTYPES, environment, format_environment, load_average, resolve_device, write_json
 from attnlib.bench._common import threads as using_threads
 from attnlib.bench.flash import COMMAND as FLASH_COMMAND
@@ -60,23 +60,19 @@ positive, non_negative = _int_at_least(1), _int_at_least(0)
 
 
 def _names(choices: tuple[str, ...] | list[str]) -> Callable[[str], list[str]]:
-    def parse(text: str) -> list[str]:
-        names = [name for name in text.replace(" ", ",").split(",") if name]
-        if not names:
-            raise argparse.ArgumentTypeError(f"{text!r} names nothing; choose from {','.join(choices)}")
-        if unknown := [n for n in names if n not in choices]:
-            raise argparse.ArgumentTypeError(f"{','.join(unknown)} not among {','.join(choices)}")
-        return names
-
-    parse.__name__ = "names"
-    return parse
+    """Comma-separated names from ``choices``: at least one, each once."""
+    return _cli.name_list(tuple(choices))
 
 
 def _positive_list(text: str) -> list[int]:
+    """Comma-separated lengths: at least one, each a positive integer, each once."""
     parts = [n for n in text.replace(" ", ",").split(",") if n]
     if not parts:
         raise argparse.ArgumentTypeError(f"{text!r} holds no lengths")
-    return [positive(n) for n in parts]
+    values = [positive(n) for n in parts]
+    if repeated := sorted({n for i, n in enumerate(values) if n in values[:i]}):
+        raise argparse.ArgumentTypeError(f"{text!r} repeats {','.join(map(str, repeated))} (expected each once)")
+    return values
 
 
 def _device(text: str) -> torch.device:
@@ -165,17 +161,43 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check_out(parser: argparse.ArgumentParser, out: str) -> Path:
     """``--out`` must be a file path whose directory exists and is writable, or can be created."""
-    path = Path(out)
-    if not out or path.is_dir():
-        parser.error(f"argument --out: {out!r} is a directory, not a file path")
-    parent = path.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        parser.error(f"argument --out: cannot write {out!r}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        parser.error(f"argument --out: cannot write {out!r}: the directory {parent} is not writable")
-    return path
+    try:
+        return _cli.output_file(out)
+    except argparse.ArgumentTypeError as err:
+        parser.error(f"argument --out: {err}")
+
+
+#: Flags of the :data:`COMMANDS` that their own checks take as text: (flag, dest, what an entry is).
+_LIST_FLAGS = {"flash": [("--seq-lens", "seq_lens", "lengths"), ("--methods", "methods", "names")],
+               "long-context": [("--lengths", "lengths", "lengths")]}
+
+
+def _check_lists(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A list flag of a :data:`COMMANDS` benchmark that was given must name something, each entry once."""
+    for flag, dest, what in _LIST_FLAGS.get(args.benchmark, ()):
+        text = getattr(args, dest)
+        if text is None:
+            continue  # not given: the command's default
+        items = [n for n in text.replace(" ", ",").split(",") if n]
+        if not items:
+            parser.error(f"argument {flag}: {text!r} holds no {what} (expected a comma-separated list)")
+        if repeated := list(dict.fromkeys(n for i, n in enumerate(items) if n in items[:i])):
+            parser.error(f"argument {flag}: {text!r} repeats {','.join(repeated)} (expected each once)")
+
+
+def _check_context(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Tokens a benchmark would generate past its model's context (``block_size``), once the defaults are in."""
+    if args.benchmark == "kv-cache":
+        block = args.config.block_size
+        for flag, n in (("--tokens", args.tokens), ("--warmup", args.warmup)):
+            if args.prompt_len + n > block:
+                parser.error(f"argument {flag}: --prompt-len {args.prompt_len} + {flag} {n} exceeds the model's "
+                             f"block_size {block}{' (--small)' if args.small else ''}")
+    elif args.benchmark == "serving":  # requests ask for up to 2 x --tokens new tokens after a prompt of >= 1
+        block = args.config.block_size
+        if 1 + 2 * args.tokens > block:
+            parser.error(f"argument --tokens: {args.tokens} is too many for the model's block_size {block}: a "
+                         f"request asks for up to 2 x --tokens after its prompt (expected <= {(block - 1) // 2})")
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -201,10 +223,14 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if args.device is not None and args.device.type not in ("cpu", "cuda"):
             parser.error(f"argument --device: peak memory is measured on cpu or cuda; got {str(args.device)!r}")
     elif args.benchmark in COMMANDS:
+        _check_lists(parser, args)
         COMMANDS[args.benchmark].check(parser, args)
+        if getattr(args, "seed", None) is not None and not -(2**63) <= args.seed < 2**64:
+            parser.error(f"argument --seed: {args.seed} is outside the seeds torch takes, [-2**63, 2**64)")
     else:
         sizes = TRAIN_SMALL if args.small else {name: TRAIN_SIZES[name] for name in args.sizes}
         args.train_sizes = {name: (config, args.batch or batch) for name, (config, batch) in sizes.items()}
+    _check_context(parser, args)
 
 
 def main(argv: list[str] | None = None) -> dict:

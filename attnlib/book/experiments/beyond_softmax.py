@@ -183,7 +183,7 @@ def load_results(path: str | Path | None = None) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     """Command line: train and write the results file, or (``--topk-only``) add the top-k losses to it."""
     p = argparse.ArgumentParser(prog="python -m attnlib.book.experiments.beyond_softmax", description=main.__doc__)
-    p.add_argument("--seeds", type=_cli.nonnegative_int, nargs="+", default=[TRAINING["seed"]])
+    p.add_argument("--seeds", type=_cli.seed, nargs="+", default=[TRAINING["seed"]])
     p.add_argument("--max-iters", type=_cli.positive_int, default=TRAINING["max_iters"])
     p.add_argument("--eval-interval", type=_cli.positive_int, default=TRAINING["eval_interval"])
     p.add_argument("--eval-iters", type=_cli.positive_int, default=TRAINING["eval_iters"])
@@ -198,6 +198,19 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if len(set(args.seeds)) != len(args.seeds):
         p.error(f"argument --seeds: {args.seeds} repeats a seed")
+    if len(set(args.models)) != len(args.models):
+        p.error(f"argument --models: {' '.join(args.models)} repeats a model (expected each once)")
+    if args.merge_from is not None and not args.topk_only:
+        p.error("argument --merge-from: only used with --topk-only")
+    if args.topk_only:  # it adds to the results file of a finished run: that file and its checkpoints must exist
+        if not args.out.is_file():
+            p.error(f"argument --out: --topk-only adds to a results file, and there is none at {str(args.out)!r} "
+                    "(train first, without --topk-only)")
+        if not args.checkpoints.is_dir():
+            p.error(f"argument --checkpoints: --topk-only reads the saved models, and {str(args.checkpoints)!r} "
+                    "is not a directory")
+        if args.merge_from is not None and not args.merge_from.is_file():
+            p.error(f"argument --merge-from: no results file at {str(args.merge_from)!r}")
     command = "python -m attnlib.book.experiments.beyond_softmax " + " ".join(sys.argv[1:] if argv is None else argv)
     started = time.perf_counter()
     if args.topk_only:
@@ -212,14 +225,13 @@ def main(argv: list[str] | None = None) -> dict:
         results["speed"] = {"models": interleaved_speed(models=tuple(results["variants"])),
                             "threads": torch.get_num_threads()}
         results["topk"].update(command=command, wall_s=round(time.perf_counter() - started, 1))
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        _cli.write_json(args.out, results)  # atomic: the finished run's file is never left half-written
         print(json.dumps(results["topk"], indent=1))
         return results
 
     def write(results: dict, complete: bool = False) -> None:
         results["meta"].update(command=command, complete=complete, wall_s=round(time.perf_counter() - started, 1))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        _cli.write_json(args.out, results)  # atomic: a run stopped while writing keeps the last complete file
 
     training = {"max_iters": args.max_iters, "eval_interval": args.eval_interval, "eval_iters": args.eval_iters}
     results = compare(tuple(args.seeds), training, args.checkpoints, on_run=write, models=tuple(args.models))

@@ -268,6 +268,8 @@ def _variants(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(
             f"{text!r}: expected comma-separated names from {(*ATTENTION_LAYERS, *LEAKY_VARIANTS)}"
         )
+    if repeated := sorted({v for i, v in enumerate(names) if v in names[:i]}):
+        raise argparse.ArgumentTypeError(f"{text!r} repeats {','.join(repeated)} (expected each variant once)")
     return names
 
 
@@ -283,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-iters", type=_cli.positive_int, default=TRAINING["max_iters"])
     p.add_argument("--eval-interval", type=_cli.positive_int, default=TRAINING["eval_interval"])
     p.add_argument("--eval-iters", type=_cli.positive_int, default=TRAINING["eval_iters"])
-    p.add_argument("--seeds", type=_cli.nonnegative_int, nargs="+", default=None,
+    p.add_argument("--seeds", type=_cli.seed, nargs="+", default=None,
                    help=f"train every causal variant with each seed (default: {TRAINING['seed']})")
     p.add_argument("--merge-with", type=Path, default=None, metavar="FILE",
                    help="add these seeds' runs to an earlier results file (same settings) and write both")
@@ -310,8 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
                                wall_s=round(time.perf_counter() - started, 1))
         if earlier is not None:
             results = merge_seeds(earlier, results)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        _cli.write_json(args.out, results)  # atomic: a run stopped while writing keeps the last complete file
         return results
 
     seeds = None if args.seeds is None else tuple(args.seeds)

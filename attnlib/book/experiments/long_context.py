@@ -19,12 +19,12 @@ chapter 17 with ``attnlib.book.results.load("long_context")``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import torch
 
+from attnlib import _cli
 from attnlib.cache import KVCache
 from attnlib.data import get_batch, load_char_corpus
 from attnlib.models import Decoder, DecoderConfig
@@ -34,6 +34,8 @@ __all__ = ["POSITION_KINDS", "SCALINGS", "loss_by_position", "main", "model_conf
 
 POSITION_KINDS = ("rope", "alibi", "learned", "nope")
 SCALINGS = ("none", "linear", "dynamic", "yarn")
+#: Evaluation lengths, in multiples of the training context; sinks of the streaming test.
+FACTORS, STREAM_SINKS = (1, 2, 4, 8), 4
 MODEL = dict(n_layers=4, n_heads=4, d_model=64)
 #: The committed run's models were attnlib 1.x's ``ModernConfig``, whose defaults differ from
 #: :meth:`DecoderConfig.llama`'s in RMSNorm's epsilon; given here with the rest of its choices.
@@ -102,19 +104,29 @@ def recompute_losses(model: Decoder, tokens: torch.Tensor) -> list[float]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m attnlib.book.experiments.long_context", description=__doc__)
-    parser.add_argument("--context", type=int, default=32,
+    parser.add_argument("--context", type=_cli.positive_int, default=32,
                         help="training context L (default 32, the committed run's; chapter 12's block_size)")
-    parser.add_argument("--max-iters", type=int, default=5000, help="optimiser steps per model (chapter 13: 5000)")
-    parser.add_argument("--positions", default=",".join(POSITION_KINDS), help="which models to train")
-    parser.add_argument("--stream", type=int, default=1024, help="tokens in the streaming test")
-    parser.add_argument("--seed", type=int, default=1337)
-    parser.add_argument("--out", default="attnlib/book/results/long_context.json")
+    parser.add_argument("--max-iters", type=_cli.positive_int, default=5000,
+                        help="optimiser steps per model (chapter 13: 5000)")
+    parser.add_argument("--positions", type=_cli.name_list(POSITION_KINDS), default=list(POSITION_KINDS),
+                        help=f"comma-separated models to train (default {','.join(POSITION_KINDS)})")
+    parser.add_argument("--stream", type=_cli.positive_int, default=1024, help="tokens in the streaming test")
+    parser.add_argument("--seed", type=_cli.seed, default=1337)
+    parser.add_argument("--out", type=_cli.output_file, default="attnlib/book/results/long_context.json")
     args = parser.parse_args(argv)
-    kinds = [k for k in args.positions.split(",") if k]
-    if unknown := sorted(set(kinds) - set(POSITION_KINDS)):
-        parser.error(f"--positions: {unknown} not among {POSITION_KINDS}")
+    kinds = args.positions
+    if "rope" in kinds and args.context <= STREAM_SINKS:  # the sink cache keeps 4 sinks + a window of L - 4
+        parser.error(f"argument --context: {args.context} leaves no window beside the {STREAM_SINKS} sinks of the "
+                     f"streaming test (expected > {STREAM_SINKS} with rope)")
     corpus = load_char_corpus()
-    L, factors = args.context, (1, 2, 4, 8)
+    longest = args.context * max(FACTORS)
+    if longest >= len(corpus.val):  # checked before any training
+        parser.error(f"argument --context: {args.context} x {max(FACTORS)} = {longest} positions is longer than the "
+                     f"validation text ({len(corpus.val)} tokens)")
+    if "rope" in kinds and args.stream >= len(corpus.val):
+        parser.error(f"argument --stream: {args.stream} tokens is longer than the validation text "
+                     f"({len(corpus.val)} tokens; expected < {len(corpus.val)})")
+    L, factors = args.context, FACTORS
     given = sys.argv[1:] if argv is None else argv
     results = {"command": " ".join(["python -m attnlib.book.experiments.long_context", *given]),
                "context": L, "factors": list(factors), "model": MODEL, "max_iters": args.max_iters,
@@ -146,11 +158,10 @@ def main(argv: list[str] | None = None) -> dict:
         results["stream"] = {
             "tokens": args.stream,
             "window_only": stream_losses(model, tokens, window=L, n_sink=0),
-            "sinks": stream_losses(model, tokens, window=L - 4, n_sink=4),
+            "sinks": stream_losses(model, tokens, window=L - STREAM_SINKS, n_sink=STREAM_SINKS),
             "recompute": recompute_losses(model, tokens),
         }
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(results, f)
+    _cli.write_json(args.out, results, indent=None, newline=False)  # atomic: the old file stays if this fails
     print(f"wrote {args.out}")
     return results
 

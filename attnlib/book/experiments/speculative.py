@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+from attnlib import _cli
 from attnlib.bench._common import time_calls
 from attnlib.data import load_char_corpus
 from attnlib.generation import speculative_generate
@@ -27,6 +28,8 @@ __all__ = ["DRAFT", "TARGET", "main"]
 
 TARGET = dict(n_layers=4, n_heads=4, d_model=128, block_size=128)
 DRAFT = dict(n_layers=1, n_heads=2, d_model=32, block_size=128)
+#: Tokens of each prompt, cut from the validation text.
+PROMPT_LEN = 32
 
 
 def measure(target, draft, prompts, new_tokens, n_draft, temperature, seed=0, repeats=5) -> dict:
@@ -58,13 +61,20 @@ def measure(target, draft, prompts, new_tokens, n_draft, temperature, seed=0, re
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-iters", type=int, default=1500)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per setting (median)")
-    parser.add_argument("--out", default="attnlib/book/results/speculative.json")
+    parser = argparse.ArgumentParser(prog="python -m attnlib.book.experiments.speculative",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--max-iters", type=_cli.positive_int, default=1500)
+    parser.add_argument("--new-tokens", type=_cli.positive_int, default=64,
+                        help=f"tokens generated per prompt (at most {TARGET['block_size'] - PROMPT_LEN}: the "
+                             f"{PROMPT_LEN}-token prompts and these must fit block_size {TARGET['block_size']})")
+    parser.add_argument("--prompts", type=_cli.positive_int, default=4)
+    parser.add_argument("--repeats", type=_cli.positive_int, default=5, help="timed rounds per setting (median)")
+    parser.add_argument("--out", type=_cli.output_file, default="attnlib/book/results/speculative.json")
     args = parser.parse_args(argv)
+    room = min(TARGET["block_size"], DRAFT["block_size"]) - PROMPT_LEN
+    if args.new_tokens > room:  # speculative decoding does not slide the window: refused before training
+        parser.error(f"argument --new-tokens: {args.new_tokens} + the {PROMPT_LEN}-token prompt exceeds the models' "
+                     f"block_size {room + PROMPT_LEN} (expected <= {room})")
     torch.set_num_threads(1)
     corpus = load_char_corpus()
     vocab = corpus.tokenizer.vocab_size
@@ -79,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
                                train_seconds=h.elapsed_s, **shape)
         models[name].eval()
     starts = torch.linspace(0, len(corpus.val) - 64, args.prompts).long().tolist()
-    prompts = [corpus.val[s:s + 32][None] for s in starts]
+    prompts = [corpus.val[s:s + PROMPT_LEN][None] for s in starts]
     rows = [measure(models["target"], models["draft"], prompts, args.new_tokens, k, temp, repeats=args.repeats)
             for temp in (0.0, 0.8) for k in (1, 2, 4, 6)]
     given = sys.argv[1:] if argv is None else argv
@@ -87,8 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
                   max_iters=args.max_iters, new_tokens=args.new_tokens, prompts=args.prompts, threads=1,
                   repeats=args.repeats, load_average=list(os.getloadavg()),
                   models=histories, rows=rows)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    _cli.write_json(args.out, result, indent=1, newline=False)  # atomic: the old file stays if this fails
     return result
 
 
