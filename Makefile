@@ -82,11 +82,13 @@ test: lint unit notebooks book-strict browser
 lint: venv
 	$(BIN)/ruff check .
 
+# Every test has a time limit (pytest-timeout) and every notebook cell one (nbval), each many times what it
+# takes on a quiet machine: --durations prints the slowest, to keep the margins honest.
 unit: venv
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q --timeout 900 --durations 10
 
 notebooks: venv
-	$(BIN)/python -m pytest $(NBVAL) notebooks solutions book/library_map.ipynb -q
+	$(BIN)/python -m pytest $(NBVAL) notebooks solutions book/library_map.ipynb -q --durations 10
 
 # The book with warnings as errors. Like `make book` it renders the stored outputs, which nbval
 # has just re-executed and matched: _config.strict.yml is _config.yml (tests/test_layout.py keeps
@@ -97,7 +99,7 @@ book-strict: venv static
 # Every page of _build/html in headless Chromium (browser_tests/); screenshots in _build/screenshots.
 # Needs a Chromium: `make chromium` installs one, CHROMIUM=/path/to/chrome names another.
 browser: venv
-	$(BIN)/python -m pytest browser_tests -q
+	$(BIN)/python -m pytest browser_tests -q --timeout 600 --durations 5
 
 # Debian's chromium, when no Chromium is found (CHROMIUM=/path/to/chrome uses another build instead).
 # Its own step: `make test` installs nothing system-wide; .ci/run runs it before `make test`.
