@@ -1,0 +1,325 @@
+"""Property-based checks of the library's promise, "the right answer or a clear error" (issue 26, part 2).
+
+Hypothesis draws shapes, dtypes, masks, score modifications, caches and sampling settings for every
+attention function, the multi-head layer, the decoder and the sampler, and checks the invariants:
+
+* the output equals an independent float64 reference (written out below, never the library's own
+  functions) within a dtype-based tolerance, zeros where a query may see no key, and no NaN; or the
+  call raises the ``TypeError`` / ``ValueError`` its documentation names, with the argument in the message;
+* bad arguments are refused before any kernel runs (no product, softmax or SDPA call is made);
+* decoding with a cache, token by token or in chunks, gives the logits of one uncached pass;
+* no input is mutated; sampled ids are always ones that may be sampled.
+
+Every test is ``derandomize=True``: the same examples on every run (CI is reproducible).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import assume, event, given, settings
+from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
+
+from attnlib.attention import ATTENTION_FUNCTIONS
+from attnlib.attention.mods import alibi, softcap
+
+FUNCTIONS = sorted(ATTENTION_FUNCTIONS)
+MODS = ("none", "alibi", "softcap", "inf_pattern")
+
+#: Tolerances against the float64 reference, per input dtype: (absolute, relative to max |v|).
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 1.5e-2, torch.bfloat16: 8e-2}
+
+PROPERTY = functools.partial(settings, deadline=None, derandomize=True)
+
+
+# --------------------------------------------------------------------------- the float64 reference
+
+
+def reference_attention(q, k, v, mask=None, is_causal=False, scale=None, score_mod=None):
+    """``softmax(q kᵀ · scale) v`` in float64, written out: grouped heads repeated, the causal mask built
+    bottom-right by hand, a row that sees no key all zeros. Differentiable (the gradients' reference)."""
+    q, k, v = q.double(), k.double(), v.double()
+    if q.dim() == 4 and k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    T_q, T_k = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.einsum("...qd,...kd->...qk", q, k) * scale
+    allowed = torch.ones(scores.shape, dtype=torch.bool)
+    if score_mod is not None:
+        n = scores.dim()
+        lead = [torch.arange(s).view(*([1] * i), s, *([1] * (n - 1 - i))) for i, s in enumerate(scores.shape[:-2])]
+        b = lead[0] if n >= 3 else torch.tensor(0)
+        h = lead[1] if n >= 4 else torch.tensor(0)
+        q_idx = torch.arange(T_k - T_q, T_k).view(T_q, 1)  # a query's absolute position
+        kv_idx = torch.arange(T_k).view(1, T_k)
+        scores = score_mod(scores, b, h, q_idx, kv_idx)
+        allowed &= scores != float("-inf")
+    if mask is not None:
+        allowed &= mask
+    if is_causal:
+        rows = torch.arange(T_q)[:, None] + (T_k - T_q)
+        allowed &= torch.arange(T_k)[None, :] <= rows
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    empty = ~allowed.any(dim=-1, keepdim=True)
+    top = scores.detach().amax(dim=-1, keepdim=True).masked_fill(empty, 0.0)
+    e = torch.exp(scores - top)
+    weights = e / e.sum(dim=-1, keepdim=True).masked_fill(empty, 1.0)
+    return weights @ v, empty
+
+
+def inf_pattern(pattern: torch.Tensor):
+    """A score_mod that hides the keys where ``pattern`` (B, H, T_q, T_k) is False, by their indices."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        T_q, T_k = pattern.shape[-2:]
+        seen = pattern[b, h, q_idx - (T_k - T_q), kv_idx]  # q_idx is absolute: the first query is T_k - T_q
+        return score.masked_fill(~seen, float("-inf"))
+
+    return score_mod
+
+
+# --------------------------------------------------------------------------- 1. attention functions
+
+
+@st.composite
+def attention_case(draw, name: str, dtypes=(torch.float32, torch.float64, torch.float16, torch.bfloat16)):
+    rank = draw(st.sampled_from([4, 4, 4, 3]))
+    B = draw(st.integers(1, 3))
+    n_kv = draw(st.integers(1, 3)) if rank == 4 else 1
+    H = n_kv * draw(st.integers(1, 3)) if rank == 4 else 1
+    T_k = draw(st.integers(1, 9))
+    T_q = draw(st.one_of(st.integers(1, T_k), st.integers(1, 9)))
+    d = draw(st.integers(1, 12))
+    d_v = draw(st.sampled_from([d, d, draw(st.integers(1, 6))]))
+    dtype = draw(st.sampled_from(dtypes))
+    scores_shape = (B, H, T_q, T_k) if rank == 4 else (B, T_q, T_k)
+    mask = None
+    if draw(st.booleans()):
+        shape = [draw(st.sampled_from([1, s])) for s in scores_shape]
+        density = draw(st.sampled_from([0.0, 0.3, 0.7, 1.0]))
+        g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+        mask = torch.rand(shape, generator=g) < density
+        if draw(st.booleans()):  # a row, or a whole query's rows, that sees nothing
+            mask[..., draw(st.integers(0, shape[-2] - 1)), :] = False
+    # sdpa and flash refuse every score_mod: draw one for them a quarter of the time, half the time for the others
+    mod = draw(st.sampled_from(("none",) * 3 + MODS[1:] if name in ("eager", "tiled") else ("none",) * 9 + MODS[1:]))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    if mod == "alibi":
+        score_mod = alibi(H)
+    elif mod == "softcap":
+        score_mod = softcap(draw(st.sampled_from([0.5, 2.0, 30.0])))
+    elif mod == "inf_pattern":
+        full = (B, H, T_q, T_k)
+        score_mod = inf_pattern(torch.rand(full, generator=g) < draw(st.sampled_from([0.0, 0.5, 0.9])))
+    else:
+        score_mod = None
+    magnitude = draw(st.sampled_from([0.1, 1.0, 3.0])) if dtype in (torch.float32, torch.float64) else 1.0
+    q_shape = (B, H, T_q, d) if rank == 4 else (B, T_q, d)
+    kv = (B, n_kv, T_k) if rank == 4 else (B, T_k)
+    q = (torch.randn(q_shape, generator=g, dtype=torch.float64) * magnitude).to(dtype)
+    k = (torch.randn(*kv, d, generator=g, dtype=torch.float64) * magnitude).to(dtype)
+    v = torch.randn(*kv, d_v, generator=g, dtype=torch.float64).to(dtype)
+    return dict(
+        name=name, q=q, k=k, v=v, mask=mask, is_causal=draw(st.booleans()),
+        scale=draw(st.one_of(st.none(), st.sampled_from([0.05, 0.5, 1.0, 2.0]))),
+        score_mod=score_mod, mod=mod, tile_size=draw(st.sampled_from([1, 2, 3, 128])),
+    )
+
+
+def function_of(case):
+    fn = ATTENTION_FUNCTIONS[case["name"]]
+    if case["name"] in ("tiled", "flash"):
+        fn = functools.partial(fn, tile_size=case["tile_size"])
+    return fn
+
+
+def expected_error(case) -> tuple[type, str] | None:
+    """The error the documentation promises for this case, or None (then the result must be right)."""
+    T_q, T_k = case["q"].shape[-2], case["k"].shape[-2]
+    if case["is_causal"] and T_q > T_k:
+        return ValueError, "is_causal"
+    if case["score_mod"] is not None and case["name"] in ("sdpa", "flash"):
+        return ValueError, "score_mod"
+    return None
+
+
+def call(case, **changes):
+    args = {**case, **changes}
+    return function_of(case)(args["q"], args["k"], args["v"], args["mask"], is_causal=args["is_causal"],
+                             scale=args["scale"], score_mod=args["score_mod"])
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+@PROPERTY(max_examples=150)
+@given(data=st.data())
+def test_every_attention_function_equals_the_float64_reference_or_refuses(name, data):
+    case = data.draw(attention_case(name))
+    originals = {name: case[name].clone() for name in ("q", "k", "v") if case[name] is not None}
+    mask_before = None if case["mask"] is None else case["mask"].clone()
+    error = expected_error(case)
+    event(f"{case['name']} {case['q'].dtype} mod={case['mod']} -> {'error' if error else 'result'}")
+    if error is not None:
+        with pytest.raises(error[0], match=error[1]):
+            call(case)
+    else:
+        out, _ = call(case)
+        ref, empty = reference_attention(case["q"], case["k"], case["v"], case["mask"], case["is_causal"],
+                                         case["scale"], case["score_mod"])
+        assert out.dtype == case["q"].dtype and out.shape == ref.shape
+        assert not torch.isnan(out).any()
+        assert torch.all(out.masked_select(empty) == 0), "a row that sees no key must give zeros"
+        tol = TOLERANCE[case["q"].dtype]
+        bound = tol * (1.0 + case["v"].double().abs().max().item())
+        difference = (out.double() - ref).abs().max().item()
+        assert difference <= bound, (case["name"], case["mod"], difference, bound)
+    for name, before in originals.items():
+        assert torch.equal(case[name], before), f"{name} was mutated"
+    if mask_before is not None:
+        assert torch.equal(case["mask"], mask_before), "mask was mutated"
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+@PROPERTY(max_examples=25)
+@given(data=st.data())
+def test_gradients_are_finite_and_equal_the_references(name, data):
+    case = data.draw(attention_case(name, dtypes=(torch.float64,)))
+    assume(expected_error(case) is None)
+    q, k, v = (case[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    out, _ = call(case, q=q, k=k, v=v)
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    rq, rk, rv = (case[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    ref, _ = reference_attention(rq, rk, rv, case["mask"], case["is_causal"], case["scale"], case["score_mod"])
+    expected = torch.autograd.grad(ref, (rq, rk, rv), d_out)
+    for name, got, want in zip("qkv", grads, expected):
+        assert torch.isfinite(got).all(), f"d{name} is not finite"
+        assert (got - want).abs().max().item() <= 1e-9, (case["name"], case["mod"], name)
+
+
+# --------------------------------------------------------------------------- 2. bad arguments, refused first
+
+#: What a kernel computes with: none of these may run before a bad argument is refused.
+KERNELS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.einsum, torch.softmax,
+           torch.Tensor.softmax, F.softmax, torch.exp, torch.Tensor.exp, F.scaled_dot_product_attention, F.linear}
+
+
+class KernelSpy(TorchFunctionMode):
+    """Records every kernel of :data:`KERNELS` called inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in KERNELS:
+            self.calls.append(getattr(func, "__name__", func))
+        return func(*args, **(kwargs or {}))
+
+
+#: kind -> (error, the words the message must contain: the argument's name)
+BAD_ARGUMENTS = {
+    "q_integer": (TypeError, "q must be a floating point"),
+    "k_bool": (TypeError, "k must be a floating point"),
+    "v_not_a_tensor": (TypeError, "v must be a torch.Tensor"),
+    "mixed_dtypes": (TypeError, "q, k, v must share a dtype"),
+    "mixed_ranks": (ValueError, "q, k, v must have the same rank"),
+    "head_dim_mismatch": (ValueError, "q and k must share head_dim"),
+    "v_length_mismatch": (ValueError, "k and v must agree"),
+    "heads_not_a_multiple": (ValueError, "n_kv_heads"),
+    "batch_mismatch": (ValueError, "batch size"),
+    "no_keys": (ValueError, "T_k=0"),
+    "mask_rank": (ValueError, "mask of shape"),
+    "mask_dtype": (TypeError, "mask must be a boolean"),
+    "mask_size": (ValueError, "mask of shape"),
+    "mask_not_a_tensor": (TypeError, "mask must be a boolean torch.Tensor"),
+    "is_causal_type": (TypeError, "is_causal must be a bool"),
+    "scale_value": (ValueError, "scale="),
+    "scale_type": (TypeError, "scale must be a float"),
+    "dropout_value": (ValueError, "dropout_p="),
+    "dropout_type": (TypeError, "dropout_p must be a float"),
+    "score_mod_type": (TypeError, "score_mod must be callable"),
+    "tile_size": ((TypeError, ValueError), "tile_size"),  # tiled and flash only
+    "dropout_unsupported": (ValueError, "dropout_p=0.5 is not supported"),  # tiled and flash only
+}
+
+
+@st.composite
+def bad_call(draw, kind: str):
+    B, n_kv, group, T_q, T_k, d = (draw(st.integers(1, 3)) for _ in range(6))
+    H = n_kv * group
+    q, k, v = torch.randn(B, H, T_q, d), torch.randn(B, n_kv, T_k, d), torch.randn(B, n_kv, T_k, d)
+    args = dict(q=q, k=k, v=v, mask=None, is_causal=False, scale=None, dropout_p=0.0, score_mod=None)
+    extra = {}
+    if kind == "q_integer":
+        args["q"] = q.to(draw(st.sampled_from([torch.int64, torch.int32, torch.uint8])))
+    elif kind == "k_bool":
+        args["k"] = k > 0
+    elif kind == "v_not_a_tensor":
+        args["v"] = draw(st.sampled_from([v.tolist(), v.numpy(), None]))
+    elif kind == "mixed_dtypes":
+        args[draw(st.sampled_from("kv"))] = draw(st.sampled_from([k.double(), k.half(), k.bfloat16()]))
+    elif kind == "mixed_ranks":
+        args["k"], args["v"] = k[0], v[0]
+    elif kind == "head_dim_mismatch":
+        args["k"] = torch.randn(B, n_kv, T_k, d + draw(st.integers(1, 3)))
+    elif kind == "v_length_mismatch":
+        args["v"] = torch.randn(B, n_kv, T_k + draw(st.integers(1, 3)), d)
+    elif kind == "heads_not_a_multiple":
+        n_kv = H + draw(st.integers(1, 2))  # more key/value heads than query heads
+        args["k"], args["v"] = torch.randn(B, n_kv, T_k, d), torch.randn(B, n_kv, T_k, d)
+    elif kind == "batch_mismatch":
+        args["q"] = torch.randn(B + draw(st.integers(1, 2)), H, T_q, d)
+    elif kind == "no_keys":
+        args["k"], args["v"] = torch.randn(B, n_kv, 0, d), torch.randn(B, n_kv, 0, d)
+    elif kind == "mask_rank":
+        args["mask"] = draw(st.sampled_from([torch.ones(B, T_k, dtype=torch.bool),
+                                             torch.ones(T_q, T_k, dtype=torch.bool),
+                                             torch.ones(1, B, H, T_q, T_k, dtype=torch.bool)]))
+    elif kind == "mask_dtype":
+        args["mask"] = torch.ones(B, H, T_q, T_k, dtype=draw(st.sampled_from([torch.float32, torch.int64, torch.uint8])))
+    elif kind == "mask_size":
+        shape = [B, H, T_q, T_k]
+        shape[draw(st.integers(0, 3))] += draw(st.integers(1, 2))
+        if shape[0] == 1 or shape[1] == 1 or shape[2] == 1:
+            shape[3] = T_k + 1  # a dim that became 1 would broadcast: grow the keys' instead
+        args["mask"] = torch.ones(shape, dtype=torch.bool)
+    elif kind == "mask_not_a_tensor":
+        args["mask"] = draw(st.sampled_from([[[True]], 1, True]))
+    elif kind == "is_causal_type":
+        args["is_causal"] = draw(st.sampled_from([1, 0, "yes", 1.0, torch.tensor(True)]))
+    elif kind == "scale_value":
+        args["scale"] = draw(st.sampled_from([0, 0.0, -1.0, -1e-9, math.nan, math.inf, -math.inf]))
+    elif kind == "scale_type":
+        args["scale"] = draw(st.sampled_from([True, "0.5", torch.tensor(0.5), [0.5]]))
+    elif kind == "dropout_value":
+        args["dropout_p"] = draw(st.sampled_from([-0.1, 1.0, 1.5, math.nan, math.inf]))
+    elif kind == "dropout_type":
+        args["dropout_p"] = draw(st.sampled_from([True, "0.1", None, torch.tensor(0.1)]))
+    elif kind == "score_mod_type":
+        args["score_mod"] = draw(st.sampled_from([3, "alibi", torch.zeros(1)]))
+    elif kind == "tile_size":
+        extra["tile_size"] = draw(st.sampled_from([0, -1, 1.5, True, "64", None]))
+    elif kind == "dropout_unsupported":
+        args["dropout_p"] = 0.5
+    return args, extra
+
+
+@pytest.mark.parametrize("name, kind", [(name, kind) for name in FUNCTIONS for kind in BAD_ARGUMENTS
+                                        if name in ("tiled", "flash") or kind not in ("tile_size", "dropout_unsupported")])
+@PROPERTY(max_examples=10)
+@given(data=st.data())
+def test_bad_arguments_are_refused_before_any_kernel_with_the_argument_named(name, kind, data):
+    args, extra = data.draw(bad_call(kind))
+    error, words = BAD_ARGUMENTS[kind]
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    spy = KernelSpy()
+    with spy, pytest.raises(error) as raised:
+        ATTENTION_FUNCTIONS[name](q, k, v, args.pop("mask"), **args, **extra)
+    assert words in str(raised.value), (kind, str(raised.value))
+    assert not spy.calls, f"{kind}: {spy.calls} ran before the error"
