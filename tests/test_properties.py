@@ -26,6 +26,8 @@ from torch.overrides import TorchFunctionMode
 
 from attnlib.attention import ATTENTION_FUNCTIONS
 from attnlib.attention.mods import alibi, softcap
+from attnlib.attention.multi_head import MultiHeadAttention
+from attnlib.models import Decoder, DecoderConfig
 
 FUNCTIONS = sorted(ATTENTION_FUNCTIONS)
 MODS = ("none", "alibi", "softcap", "inf_pattern")
@@ -323,3 +325,193 @@ def test_bad_arguments_are_refused_before_any_kernel_with_the_argument_named(nam
         ATTENTION_FUNCTIONS[name](q, k, v, args.pop("mask"), **args, **extra)
     assert words in str(raised.value), (kind, str(raised.value))
     assert not spy.calls, f"{kind}: {spy.calls} ran before the error"
+
+
+# --------------------------------------------------------------------------- 3. the layer and the decoder
+
+LAYER_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+def left_padding_mask(draw, B: int, T: int) -> torch.Tensor:
+    """``(B, T)`` bool, each row ``n_pad`` False then True, at least one real token per row."""
+    pads = [draw(st.integers(0, T - 1)) for _ in range(B)]
+    return torch.arange(T)[None, :] >= torch.tensor(pads)[:, None]
+
+
+def reference_layer(layer, x, attention_mask=None):
+    """What ``MultiHeadAttention`` (no RoPE, default positions) computes, in float64 from its weights."""
+    x = x.double()
+    B, T, _ = x.shape
+    H, n_kv, hd = layer.n_heads, layer.n_kv_heads, layer.head_dim
+    w = layer.qkv.weight.double()
+    b = None if layer.qkv.bias is None else layer.qkv.bias.double()
+    qkv = x @ w.T + (0 if b is None else b)
+    q, k, v = qkv.split([H * hd, n_kv * hd, n_kv * hd], dim=-1)
+    q, k, v = (t.view(B, T, -1, hd).transpose(1, 2) for t in (q, k, v))
+    if layer.q_norm is not None:  # RMSNorm over head_dim
+        def rms(t, norm):
+            return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
+        q, k = rms(q, layer.q_norm), rms(k, layer.k_norm)
+    allowed = torch.ones(B, 1, T, T, dtype=torch.bool)
+    positions = torch.arange(T).expand(B, T)
+    if attention_mask is not None:
+        allowed &= attention_mask[:, None, None, :]
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # each row counts its real tokens
+    qp, kp = positions[:, None, :, None], positions[:, None, None, :]
+    if layer.sliding_window is not None:
+        allowed &= (qp - kp < layer.sliding_window) & (kp <= qp)
+    if layer.chunk_size is not None:
+        allowed &= (qp // layer.chunk_size == kp // layer.chunk_size) & (kp <= qp)
+    y, _ = reference_attention(q, k, v, allowed, layer.causal, layer.scale, layer.score_mod)
+    y = y.transpose(1, 2).reshape(B, T, H * hd)
+    return y @ layer.out_proj.weight.double().T + (0 if layer.out_proj.bias is None else layer.out_proj.bias.double())
+
+
+@PROPERTY(max_examples=150)
+@given(data=st.data())
+def test_multi_head_attention_equals_the_reference_and_its_cache_changes_nothing(data):
+    draw = data.draw
+    n_kv = draw(st.integers(1, 3))
+    H = n_kv * draw(st.integers(1, 3))
+    head_dim = draw(st.integers(1, 6))
+    d_model = draw(st.sampled_from([H * head_dim, 8]))
+    attn_fn = draw(st.sampled_from(FUNCTIONS))
+    causal = draw(st.booleans())
+    rule = draw(st.sampled_from(["none", "none", "window", "chunk"])) if causal else "none"
+    size = draw(st.integers(1, 5))
+    mod = draw(st.sampled_from(["none", "none", "alibi", "softcap"]))
+    score_mod = {"none": None, "alibi": alibi(H), "softcap": softcap(draw(st.sampled_from([0.5, 5.0])))}[mod]
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    options = dict(block_size=16, causal=causal, attn_fn=attn_fn, head_dim=head_dim, bias=draw(st.booleans()),
+                   kv_sharing=draw(st.sampled_from(["fold", "repeat_interleave"])), qk_norm=draw(st.booleans()),
+                   sliding_window=size if rule == "window" else None, chunk_size=size if rule == "chunk" else None,
+                   score_mod=score_mod)
+    if score_mod is not None and attn_fn in ("sdpa", "flash"):
+        with pytest.raises(ValueError, match="score_mod needs attn_fn='eager' or 'tiled'"):
+            MultiHeadAttention(d_model, H, n_kv, **options)
+        return
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    layer = MultiHeadAttention(d_model, H, n_kv, **options).to(dtype).eval()
+    B, T = draw(st.integers(1, 3)), draw(st.integers(1, 10))
+    x = torch.randn(B, T, d_model, dtype=dtype)
+    attention_mask = left_padding_mask(draw, B, T) if draw(st.booleans()) else None
+    before = (x.clone(), None if attention_mask is None else attention_mask.clone())
+    with torch.no_grad():
+        y = layer(x, attention_mask=attention_mask)
+        ref = reference_layer(layer, x, attention_mask)
+    assert not torch.isnan(y).any()
+    tol = LAYER_TOLERANCE[dtype] * 10 * (1.0 + ref.abs().max().item())
+    assert (y.double() - ref).abs().max().item() <= tol, (attn_fn, rule, mod)
+    if causal:  # the same positions through a cache, in chunks
+        windows = draw(st.booleans())
+        cache = layer.new_cache(16, windows=windows)
+        chunks, start, outs = [], 0, []
+        while start < T:
+            chunks.append(draw(st.integers(1, T - start)))
+            start += chunks[-1]
+        refuses = windows and rule == "chunk" and attention_mask is not None
+        start = 0
+        with torch.no_grad():
+            for n in chunks:
+                am = None if attention_mask is None else attention_mask[:, :start + n]
+                if refuses:
+                    with pytest.raises(ValueError, match="masks are not supported with a chunked cache"):
+                        layer(x[:, start:start + n], attention_mask=am, cache=cache)
+                    break
+                outs.append(layer(x[:, start:start + n], attention_mask=am, cache=cache))
+                start += n
+        if not refuses:
+            cached = torch.cat(outs, dim=1)
+            assert (cached - y).abs().max().item() <= LAYER_TOLERANCE[dtype] * (1.0 + y.abs().max().item()), chunks
+    assert torch.equal(x, before[0]) and (attention_mask is None or torch.equal(attention_mask, before[1]))
+
+
+DECODERS = ("gpt2", "llama", "qwen3", "mistral", "sliding+full", "chunked+full", "alibi", "softcap")
+
+
+def decoder_config(kind: str, attn_fn: str, window: int) -> DecoderConfig:
+    small = dict(vocab_size=29, block_size=12, n_layers=2, n_heads=4, d_model=16, attn_fn=attn_fn)
+    if kind == "gpt2":
+        return DecoderConfig(**small)
+    if kind == "llama":
+        return DecoderConfig.llama(n_kv_heads=2, **small)
+    if kind == "qwen3":
+        return DecoderConfig.qwen3(n_kv_heads=1, head_dim=6, **small)
+    if kind == "mistral":
+        return DecoderConfig.mistral(sliding_window=window, n_kv_heads=2, **small)
+    if kind == "sliding+full":
+        return DecoderConfig.llama(layer_types=("sliding_attention", "full_attention"), sliding_window=window, **small)
+    if kind == "chunked+full":
+        return DecoderConfig.llama(layer_types=("chunked_attention", "full_attention"), attention_chunk_size=window,
+                                   **small)
+    if kind == "alibi":
+        return DecoderConfig(position="alibi", **small)
+    return DecoderConfig.llama(attn_softcap=2.0, **small)  # softcap
+
+
+@pytest.mark.parametrize("kind", DECODERS)
+@PROPERTY(max_examples=25)
+@given(data=st.data())
+def test_decoder_cached_decoding_equals_one_uncached_pass_and_padding_changes_nothing(kind, data):
+    draw = data.draw
+    attn_fn = draw(st.sampled_from(["eager", "sdpa", "tiled"]))
+    window = draw(st.integers(1, 5))
+    if kind in ("alibi", "softcap") and attn_fn == "sdpa":
+        with pytest.raises(ValueError, match="cannot modify scores"):
+            decoder_config(kind, attn_fn, window)
+        return
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    model = Decoder(decoder_config(kind, attn_fn, window)).to(dtype).eval()
+    B, T = draw(st.integers(1, 3)), draw(st.integers(1, 12))
+    idx = torch.randint(0, 29, (B, T), generator=torch.Generator().manual_seed(draw(st.integers(0, 2**16))))
+    attention_mask = left_padding_mask(draw, B, T)
+    before = (idx.clone(), attention_mask.clone())
+    tol = LAYER_TOLERANCE[dtype]
+    with torch.no_grad():
+        full = model(idx)[0]
+        assert not torch.isnan(full).any()
+        # token by token, or in chunks, through the cache (windowed caches or full ones)
+        windows = draw(st.booleans())
+        chunks, start = [], 0
+        while start < T:
+            chunks.append(draw(st.sampled_from([1, draw(st.integers(1, T - start))])) if start < T else 0)
+            chunks[-1] = min(chunks[-1], T - start)
+            start += chunks[-1]
+        cache, outs, start = model.new_cache(windows), [], 0
+        for n in chunks:
+            outs.append(model(idx[:, start:start + n], cache=cache)[0])
+            start += n
+        difference = (torch.cat(outs, dim=1) - full).abs().max().item()
+        assert difference <= tol * (1 + full.abs().max().item()), (chunks, windows, difference)
+        # left padding: finite everywhere, and each row's real tokens get the logits the row gets alone
+        padded = model(idx, attention_mask=attention_mask)[0]
+        assert not torch.isnan(padded).any()
+        for b in range(B):
+            first = int((~attention_mask[b]).sum())
+            alone = model(idx[b:b + 1, first:])[0]
+            difference = (padded[b:b + 1, first:] - alone).abs().max().item()
+            assert difference <= tol * (1 + alone.abs().max().item()), (b, first, difference)
+        # and through a cache (the first chunk holding a real token of every row, as a prompt must; a
+        # chunked layer's own cache refuses padding, naming why)
+        n_pad = int((~attention_mask).sum(-1).max())
+        first = sum(chunks[:1 + next(i for i in range(len(chunks)) if sum(chunks[:i + 1]) > n_pad)])
+        padded_chunks = [first] + chunks[next(i for i in range(len(chunks)) if sum(chunks[:i + 1]) == first) + 1:]
+        cache, start = model.new_cache(windows), 0
+        for n in padded_chunks:
+            am = attention_mask[:, :start + n]
+            if windows and kind == "chunked+full":
+                with pytest.raises(ValueError, match="masks are not supported with a chunked cache"):
+                    model(idx[:, start:start + n], cache=cache, attention_mask=am)
+                break
+            out = model(idx[:, start:start + n], cache=cache, attention_mask=am)[0]
+            real = attention_mask[:, start:start + n]
+            difference = (out - padded[:, start:start + n]).abs().amax(-1).masked_select(real)
+            assert difference.numel() == 0 or difference.max().item() <= tol * (1 + padded.abs().max().item())
+            start += n
+        # greedy decoding: the same tokens with and without the cache
+        n_new = draw(st.integers(1, 4))
+        greedy = model.generate(idx, n_new, temperature=0, attention_mask=attention_mask)
+        assert torch.equal(greedy, model.generate(idx, n_new, temperature=0, attention_mask=attention_mask,
+                                                  use_cache=False))
+    assert torch.equal(idx, before[0]) and torch.equal(attention_mask, before[1])
