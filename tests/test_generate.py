@@ -139,6 +139,13 @@ def test_a_temperature_below_float32s_smallest_number_is_greedy_not_nan(dtype):
         assert torch.equal(out[:-1], torch.zeros(4, dtype=torch.long)) and out[-1].item() in (0, 1)
 
 
+def test_float64_logits_whose_scaled_values_pass_float32s_range_are_greedy_not_nan():
+    logits = torch.tensor([[0.0, 1.0, -1.0], [2.0, 0.0, float("-inf")]], dtype=torch.float64)
+    assert torch.isfinite(logits[:, :2] / 1e-300).all()  # finite in float64, +inf in the float32 softmax
+    out = sample_next_token(logits, temperature=1e-300, generator=torch.Generator().manual_seed(0))
+    assert out[:, 0].tolist() == [1, 0]
+
+
 # --- beam search: length penalty, stop tokens -----------------------------------------------------------------------
 
 class TableDecoder:
