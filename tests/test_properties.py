@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from attnlib.attention import ATTENTION_FUNCTIONS
 from attnlib.attention.mods import alibi, softcap
 from attnlib.attention.multi_head import MultiHeadAttention
+from attnlib.generation import sample_next_token
 from attnlib.models import Decoder, DecoderConfig
 
 FUNCTIONS = sorted(ATTENTION_FUNCTIONS)
@@ -515,3 +516,98 @@ def test_decoder_cached_decoding_equals_one_uncached_pass_and_padding_changes_no
         assert torch.equal(greedy, model.generate(idx, n_new, temperature=0, attention_mask=attention_mask,
                                                   use_cache=False))
     assert torch.equal(idx, before[0]) and torch.equal(attention_mask, before[1])
+
+
+# --------------------------------------------------------------------------- 4. sampling
+
+TEMPERATURES = [0.0, 0, 1e-300, 1e-45, 1e-30, 1e-8, 0.1, 0.7, 1, 1.0, 2.0, 100.0]
+
+
+@st.composite
+def logits_rows(draw):
+    B, V = draw(st.integers(1, 4)), draw(st.integers(1, 12))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]))
+    finite = st.floats(-60, 60, allow_nan=False, allow_infinity=False, width=16 if dtype == torch.float16 else 32)
+    values = draw(st.lists(st.one_of(finite, finite, st.just(-math.inf)), min_size=B * V, max_size=B * V))
+    logits = torch.tensor(values, dtype=torch.float64).view(B, V).to(dtype)
+    for b in range(B):
+        if not torch.isfinite(logits[b]).any():  # every row keeps at least one finite logit
+            logits[b, draw(st.integers(0, V - 1))] = draw(finite)
+    return logits
+
+
+def reference_distribution(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+    """Each row's probabilities at ``temperature`` after the top-k filter, in float64."""
+    scores = logits.double()
+    top = scores.amax(-1, keepdim=True)
+    if top_k is not None:
+        kth = scores.topk(min(top_k, scores.shape[-1]), dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    return torch.softmax((scores - top) / temperature, dim=-1)
+
+
+@PROPERTY(max_examples=400)
+@given(logits=logits_rows(), temperature=st.sampled_from(TEMPERATURES),
+       top_k=st.one_of(st.none(), st.integers(1, 14)), top_p=st.one_of(st.none(), st.floats(1e-6, 1.0), st.just(1.0)),
+       seed=st.integers(0, 2**16))
+def test_sampled_ids_are_always_ones_that_may_be_sampled(logits, temperature, top_k, top_p, seed):
+    before = logits.clone()
+    ids = sample_next_token(logits, temperature, top_k, top_p, torch.Generator().manual_seed(seed))
+    assert ids.shape == (logits.shape[0], 1) and ids.dtype == torch.long
+    assert torch.equal(logits, before), "logits were mutated"
+    rows = logits.double()
+    for b, i in enumerate(ids[:, 0].tolist()):
+        row = rows[b]
+        assert 0 <= i < row.numel() and math.isfinite(row[i].item()), (b, i, row.tolist())
+        if temperature == 0:
+            assert row[i] == row.max(), "temperature 0 must give the argmax"
+            continue
+        if top_k is not None:
+            kth = row.topk(min(top_k, row.numel())).values[-1]
+            assert row[i] >= kth, f"id {i} is not among the top {top_k}"
+        probs = reference_distribution(row, temperature, top_k)
+        assert probs[i] > 1e-20, f"id {i} has probability {probs[i].item()}"
+        if top_p is not None:  # the tokens more likely than it do not already make up top_p
+            more = probs[probs > probs[i]].sum().item()
+            assert more < top_p + 1e-5, (i, more, top_p)
+
+
+#: setting -> bad values and the error each gives
+BAD_SETTINGS = {
+    "temperature": [(-1.0, ValueError), (-1e-30, ValueError), (math.nan, ValueError), (math.inf, ValueError),
+                    (True, TypeError), ("1", TypeError), (None, TypeError), (torch.tensor(1.0), TypeError)],
+    "top_k": [(0, ValueError), (-3, ValueError), (2.0, TypeError), (True, TypeError), ("5", TypeError)],
+    "top_p": [(0.0, ValueError), (-0.5, ValueError), (1.5, ValueError), (math.nan, ValueError), (math.inf, ValueError),
+              (True, TypeError), ("0.9", TypeError)],
+}
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_decoder() -> Decoder:
+    torch.manual_seed(0)
+    return Decoder(DecoderConfig(vocab_size=11, block_size=8, n_layers=1, n_heads=2, d_model=8)).eval()
+
+
+@PROPERTY(max_examples=120)
+@given(setting=st.sampled_from(sorted(BAD_SETTINGS)), data=st.data(), where=st.sampled_from(["sample", "generate"]))
+def test_bad_sampling_settings_are_refused_naming_the_setting(setting, data, where):
+    value, error = data.draw(st.sampled_from(BAD_SETTINGS[setting]))
+    others = {"temperature": data.draw(st.sampled_from([0.0, 1.0])), "top_k": None, "top_p": None}
+    settings_ = {**others, setting: value}
+    with pytest.raises(error, match=setting):
+        if where == "sample":
+            sample_next_token(torch.randn(2, 11), **settings_)
+        else:
+            tiny_decoder().generate(torch.zeros(1, 3, dtype=torch.long), 2, **settings_)
+
+
+@PROPERTY(max_examples=60)
+@given(logits=logits_rows(), bad=st.sampled_from([math.nan, math.inf, "empty"]), data=st.data())
+def test_logits_no_token_can_come_from_are_refused(logits, bad, data):
+    row = data.draw(st.integers(0, logits.shape[0] - 1))
+    if bad == "empty":
+        logits[row] = -math.inf
+    else:
+        logits[row, data.draw(st.integers(0, logits.shape[1] - 1))] = bad
+    with pytest.raises(ValueError, match=f"logits row {row} holds NaN or \\+inf, or no finite value"):
+        sample_next_token(logits, data.draw(st.sampled_from(TEMPERATURES)))
