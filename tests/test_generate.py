@@ -125,6 +125,27 @@ def test_a_tiny_temperature_is_greedy_not_nan():
     assert torch.equal(out[:, 0], logits.argmax(-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_temperature_below_float32s_smallest_number_is_greedy_not_nan(dtype):
+    # 1e-300 is 0 in float32 (where half precision divides too): 0 / 0 was nan (a logit of 0, or the shifted
+    # maximum), and torch.multinomial raised a RuntimeError
+    temperature = 1e-300
+    logits = torch.tensor([[0.0], [1.0], [-1.0], [0.0]]) + torch.tensor([[0.0, -2.0, float("-inf")]])
+    logits = torch.cat([logits, torch.tensor([[0.0, 0.0, -1.0]])]).to(dtype)
+    assert torch.isnan(logits / temperature).any()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        out = sample_next_token(logits, temperature=temperature, generator=g)[:, 0]
+        assert torch.equal(out[:-1], torch.zeros(4, dtype=torch.long)) and out[-1].item() in (0, 1)
+
+
+def test_float64_logits_whose_scaled_values_pass_float32s_range_are_greedy_not_nan():
+    logits = torch.tensor([[0.0, 1.0, -1.0], [2.0, 0.0, float("-inf")]], dtype=torch.float64)
+    assert torch.isfinite(logits[:, :2] / 1e-300).all()  # finite in float64, +inf in the float32 softmax
+    out = sample_next_token(logits, temperature=1e-300, generator=torch.Generator().manual_seed(0))
+    assert out[:, 0].tolist() == [1, 0]
+
+
 # --- beam search: length penalty, stop tokens -----------------------------------------------------------------------
 
 class TableDecoder:

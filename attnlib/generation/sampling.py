@@ -135,9 +135,13 @@ def sample_next_token(
         return logits.argmax(dim=-1, keepdim=True)
     scaled = logits / temperature
     # A tiny temperature overflows finite logits to inf (softmax: inf - inf = nan). Such rows are shifted by
-    # their maximum first, which sends the others to -inf instead; other rows keep the plain division.
-    overflow = (torch.isinf(scaled) & torch.isfinite(logits)).any(dim=-1, keepdim=True)
-    logits = torch.where(overflow, (logits - logits.amax(dim=-1, keepdim=True)) / temperature, scaled)
+    # their maximum first, which sends the others to -inf instead; other rows keep the plain division. A
+    # temperature below the dtype's smallest number (1e-300 for float32) is 0 there: 0 / 0 is nan, so a finite
+    # logit that gives nan counts as overflowing too, and the row's maxima (shifted to 0) stay 0. Float64 logits
+    # overflow where the float32 softmax below sees +inf (1 / 1e-300).
+    overflow = ((~torch.isfinite(scaled) | torch.isposinf(scaled.float())) & torch.isfinite(logits)).any(-1, keepdim=True)
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    logits = torch.where(overflow, torch.where(shifted == 0, shifted, shifted / temperature), scaled)
     if top_k is not None:
         logits = top_k_filter(logits, top_k)
     if top_p is not None:
