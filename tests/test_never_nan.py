@@ -211,3 +211,21 @@ def test_rope_frequencies_stay_float32_in_a_narrower_model(dtype):
 def test_rope_frequencies_follow_a_wider_model():
     rope = RotaryEmbedding(16).double()
     assert rope.inv_freq.dtype == torch.float64
+
+
+@pytest.mark.parametrize("result_shape", [(5, 5), (4, 5), (2, 1, 4, 4), (1, 1, 1, 4, 4), (3,)])
+def test_a_mask_mod_result_that_does_not_broadcast_is_refused(result_shape):
+    from attnlib.attention.masks import mask_from_mod
+
+    with pytest.raises(ValueError, match=re.escape(f"mask_mod returned shape {result_shape}, which does not "
+                                                   "broadcast to the mask's (1, 1, 4, 4)")):
+        mask_from_mod(lambda b, h, q_idx, kv_idx: torch.ones(result_shape, dtype=torch.bool), (1, 1, 4, 4))
+
+
+@pytest.mark.parametrize("mod", [lambda b, h, q, kv: q >= kv, lambda b, h, q, kv: kv < 2, lambda b, h, q, kv: q > 0])
+def test_a_mask_mod_of_some_of_the_indices_broadcasts(mod):
+    from attnlib.attention.masks import mask_from_mod
+
+    mask = mask_from_mod(mod, (2, 3, 4, 4))
+    q, kv = torch.arange(4)[:, None], torch.arange(4)[None, :]
+    assert mask.shape == (2, 3, 4, 4) and torch.equal(mask, mod(None, None, q, kv).expand(2, 3, 4, 4))

@@ -135,7 +135,8 @@ def mask_from_mod(mask_mod: Callable[..., torch.Tensor], shape: tuple[int, ...],
 
     Raises:
         TypeError: ``mask_mod`` not callable or not returning a boolean tensor.
-        ValueError: ``shape`` not four non-negative integers with ``T_q <= T_k``.
+        ValueError: ``shape`` not four non-negative integers with ``T_q <= T_k``; a result that does not
+            broadcast to ``shape``.
     """
     if not callable(mask_mod):
         raise TypeError(f"mask_mod must be callable (b, h, q_idx, kv_idx) -> bool; got {mask_mod!r}")
@@ -148,6 +149,9 @@ def mask_from_mod(mask_mod: Callable[..., torch.Tensor], shape: tuple[int, ...],
     out = mask_mod(*score_indices(torch.Size(shape), torch.device(device or "cpu")))
     if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
         raise TypeError(f"mask_mod must return a boolean tensor; got {getattr(out, 'dtype', type(out).__name__)}")
+    if out.dim() > 4 or any(o not in (1, s) for o, s in zip(out.shape[::-1], shape[::-1])):
+        raise ValueError(f"mask_mod returned shape {tuple(out.shape)}, which does not broadcast to the mask's "
+                         f"{tuple(shape)} (B, n_heads, T_q, T_k): compute it from the index tensors it is given")
     return out.expand(shape)
 
 
