@@ -215,8 +215,9 @@ def sdpa_attention(
 
     Same arguments, checks and results as :func:`attention` (grouped K/V heads through
     SDPA's ``enable_gqa``; rows with nothing to attend to give zeros, not NaN). SDPA's
-    fused ``is_causal`` is used where it is right (``T_q == T_k`` without another mask);
-    otherwise the bottom-right causal mask is passed explicitly.
+    fused ``is_causal`` is used where it is right (``T_q == T_k`` without another mask), no mask
+    where causality hides nothing (one query, a decode step, sees every key); otherwise the
+    bottom-right causal mask is passed explicitly.
 
     Raises:
         TypeError / ValueError: see :func:`check_attention_inputs`; a ``score_mod``
@@ -228,8 +229,8 @@ def sdpa_attention(
     T_q, T_k = q.shape[-2], k.shape[-2]
     gqa = q.dim() == 4 and q.shape[1] != k.shape[1]
     kwargs = dict(dropout_p=dropout_p, scale=scale, enable_gqa=gqa) if gqa else dict(dropout_p=dropout_p, scale=scale)
-    if mask is None and (not is_causal or T_q == T_k):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, **kwargs), None
+    if mask is None and (not is_causal or T_q == T_k or T_q == 1):  # one query (a decode step) sees every key
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal and T_q == T_k, **kwargs), None
     full = combined_mask(mask, is_causal, T_q, T_k, q.device)
     empty = ~full.any(dim=-1, keepdim=True)  # rows with nothing to attend to (only a caller's mask makes them)
     if mask is not None and (empty.device.type == "meta" or empty.any()):

@@ -64,6 +64,13 @@ class LayerNorm(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x̂ · γ, r, x̂)`` with ``r = rsqrt(mean(x²) + eps)`` ``(..., 1)`` and ``x̂ = x · r``."""
+    r = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)  # (..., 1)
+    x_hat = x * r
+    return x_hat * weight, r, x_hat
+
+
 class _RMSNormFunction(torch.autograd.Function):
     """``x · rsqrt(mean(x²) + eps) · γ`` with its backward written out: one autograd node, not six.
 
@@ -77,11 +84,10 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        r = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)  # (..., 1)
-        x_hat = x * r
+        y, r, x_hat = _rms_norm(x, weight, eps)
         ctx.save_for_backward(x, weight, r, x_hat)
         ctx.eps = eps
-        return x_hat * weight
+        return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -123,5 +129,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(x, self.d)
-        # x * rsqrt(mean(x²) + eps) * weight, with its backward written out (see _RMSNormFunction)
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        # x * rsqrt(mean(x²) + eps) * weight, with its backward written out (see _RMSNormFunction); without
+        # gradients (generation) the same ops alone, without the autograd node's bookkeeping
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNormFunction.apply(x, self.weight, self.eps)
+        return _rms_norm(x, self.weight, self.eps)[0]

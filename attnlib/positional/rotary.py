@@ -172,6 +172,8 @@ class RotaryEmbedding(nn.Module):
         cos, signed_sin, back_sin = self.cos_sin(positions.to(x.device), x.dtype)  # (..., T, head_dim) each
         if cos.requires_grad or signed_sin.requires_grad:  # angles that learn (not RoPE's): autograd's backward
             return turn(x, cos, signed_sin)
+        if not (torch.is_grad_enabled() and x.requires_grad):  # no gradient to take (generation): the turn alone
+            return turn(x, cos, signed_sin)
         return _Rotation.apply(x, cos, signed_sin, back_sin)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
