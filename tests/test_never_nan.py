@@ -229,3 +229,16 @@ def test_a_mask_mod_of_some_of_the_indices_broadcasts(mod):
     mask = mask_from_mod(mod, (2, 3, 4, 4))
     q, kv = torch.arange(4)[:, None], torch.arange(4)[None, :]
     assert mask.shape == (2, 3, 4, 4) and torch.equal(mask, mod(None, None, q, kv).expand(2, 3, 4, 4))
+
+
+@pytest.mark.parametrize("row", [[-1.0], [-1.0, -2.0], [1.0, -1.0], [0.0, 3.0, -5.0], [-1e300, 1e300]])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_temperature_that_overflows_float32_samples_the_argmax(row, dtype):
+    """Scaled by 1e-300, every logit leaves float32's range (the softmax runs in float32): the row is sampled as
+    greedy, never all -inf (found by the property suite: float64 [-1.0] at 1e-300 gave a NaN softmax)."""
+    logits = torch.tensor([row], dtype=dtype)
+    if not torch.isfinite(logits).all():
+        pytest.skip("a value outside this dtype")
+    for seed in range(5):
+        token = sample_next_token(logits, temperature=1e-300, generator=torch.Generator().manual_seed(seed))
+        assert token.item() == logits.argmax().item()

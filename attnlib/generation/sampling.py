@@ -138,8 +138,9 @@ def sample_next_token(
     # their maximum first, which sends the others to -inf instead; other rows keep the plain division. A
     # temperature below the dtype's smallest number (1e-300 for float32) is 0 there: 0 / 0 is nan, so a finite
     # logit that gives nan counts as overflowing too, and the row's maxima (shifted to 0) stay 0. Float64 logits
-    # overflow where the float32 softmax below sees +inf (1 / 1e-300).
-    overflow = ((~torch.isfinite(scaled) | torch.isposinf(scaled.float())) & torch.isfinite(logits)).any(-1, keepdim=True)
+    # overflow where the float32 softmax below sees +-inf (+-1 / 1e-300): a row of them only would be all -inf.
+    lost = ~torch.isfinite(scaled) | ~torch.isfinite(scaled.float())
+    overflow = (lost & torch.isfinite(logits)).any(-1, keepdim=True)
     shifted = logits - logits.amax(dim=-1, keepdim=True)
     logits = torch.where(overflow, torch.where(shifted == 0, shifted, shifted / temperature), scaled)
     if top_k is not None:
