@@ -53,27 +53,28 @@ def _gpt2():
     return GPT2LMHeadModel(config).eval(), config  # eval: no dropout
 
 
-@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int32, torch.bool])
-@pytest.mark.parametrize("key", ["model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight",
-                                 "model.norm.weight"])
-def test_from_hf_llama_refuses_weights_that_are_not_floating_point(dtype, key):
-    model, config = _llama()
-    state = model.state_dict()
-    state[key] = (state[key] * 100).to(dtype)
-    with pytest.raises(TypeError, match=re.escape(f"the state dict's {key!r} has dtype {dtype}; expected floating")):
-        from_hf_llama(state, config)
+def _load_llama(state):
+    return from_hf_llama(state, _llama()[1])
 
 
-@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.bool])
-@pytest.mark.parametrize("key", ["transformer.wte.weight", "transformer.h.0.attn.c_attn.weight",
-                                 "transformer.ln_f.bias"])
-def test_from_hf_gpt2_refuses_weights_that_are_not_floating_point(dtype, key):
-    model, _ = _gpt2()
-    state = model.state_dict()
+def _load_gpt2(state):
+    return from_hf_gpt2(state, GPTConfig.gpt2(vocab_size=50, block_size=16, n_layers=1, n_heads=2, d_model=16))
+
+
+QUANTISED = [  # (the Hugging Face model, a weight, its dtype, the loader)
+    *[(_llama, key, dtype, _load_llama) for dtype in (torch.int8, torch.uint8, torch.int32, torch.bool)
+      for key in ("model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight", "model.norm.weight")],
+    *[(_gpt2, key, dtype, _load_gpt2) for dtype in (torch.int8, torch.int16, torch.bool)
+      for key in ("transformer.wte.weight", "transformer.h.0.attn.c_attn.weight", "transformer.ln_f.bias")],
+]
+
+
+@pytest.mark.parametrize("make, key, dtype, load", QUANTISED)
+def test_the_loaders_refuse_weights_that_are_not_floating_point(make, key, dtype, load):
+    state = make()[0].state_dict()
     state[key] = (state[key] * 100).to(dtype)
-    config = GPTConfig.gpt2(vocab_size=50, block_size=16, n_layers=1, n_heads=2, d_model=16)
     with pytest.raises(TypeError, match=re.escape(f"the state dict's {key!r} has dtype {dtype}; expected floating")):
-        from_hf_gpt2(state, config)
+        load(state)
 
 
 def test_float_checkpoints_still_load_and_equal_transformers():
