@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
+from attnlib._device import check_device
 
 __all__ = [
     "device",
@@ -85,19 +85,11 @@ def seed(text: str) -> int:
 
 
 def device(text: str) -> str:
-    """A torch device string that this machine has (``cpu``, ``cuda``, ``cuda:1``, ``mps``)."""
+    """A torch device string that this machine has (``cpu``, ``cuda``, ``cuda:1``, ``mps``): :func:`attnlib._device.check_device`."""
     try:
-        dev = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (expected cpu, cuda, cuda:N or mps)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r}: this machine has no CUDA device")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r}: MPS is not available on this machine")
-    if dev.type not in ("cpu", "cuda", "mps"):
-        raise argparse.ArgumentTypeError(f"{text!r}: attnlib runs on cpu, cuda or mps")
+        check_device(None, text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 

@@ -7,28 +7,37 @@ import torch
 _KINDS = "cpu, cuda, cuda:N or mps"
 
 
-def check_device(name: str, value: object) -> torch.device:
+def check_device(name: str | None, value: object, *, available: bool = True) -> torch.device:
     """``value`` (a str such as ``"cuda:1"`` or a ``torch.device``) as a ``torch.device`` this machine has.
+
+    The one device check of the library and its command lines. ``name`` starts the messages
+    (``name='gpu' ...``; ``None``: the value alone, for argparse, which names the flag itself).
+    ``available=False`` checks only that it names a kind attnlib runs on (a config made on one machine
+    for another).
 
     Raises:
         TypeError: ``value`` is neither a str nor a ``torch.device``.
         ValueError: it names no device, a kind attnlib does not run on (only cpu, cuda and mps),
-            or a device this machine lacks (CUDA or MPS not available, a CUDA index out of range).
+            or (``available``) a device this machine lacks (CUDA or MPS not available, a CUDA index out of range).
     """
     if not isinstance(value, (str, torch.device)):
-        raise TypeError(f"{name} must be a str or a torch.device ({_KINDS}); got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{name or 'device'} must be a str or a torch.device ({_KINDS}); got {value!r} "
+                        f"({type(value).__name__})")
+    said = repr(value) if name is None else f"{name}={value!r}"
     try:
         dev = torch.device(value)
     except (RuntimeError, ValueError):
-        raise ValueError(f"{name}={value!r} is not a torch device (expected {_KINDS})") from None
+        raise ValueError(f"{said} is not a torch device (expected {_KINDS})") from None
     if dev.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"{name}={value!r}: attnlib runs on cpu, cuda or mps")
+        raise ValueError(f"{said}: attnlib runs on cpu, cuda or mps")
+    if not available:
+        return dev
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"{name}={value!r}: this machine has no CUDA device")
+        raise ValueError(f"{said}: this machine has no CUDA device")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"{name}={value!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        raise ValueError(f"{said}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if dev.type == "mps" and not (getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
-        raise ValueError(f"{name}={value!r}: MPS is not available on this machine")
+        raise ValueError(f"{said}: MPS is not available on this machine")
     return dev
 
 

@@ -89,26 +89,13 @@ class TrainConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int; got {self.seed!r} ({type(self.seed).__name__})")
         if self.device is not None:
-            _device_name(self.device)
+            check_device("device", self.device, available=False)  # whether this machine has it: train()
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate={self.learning_rate} must be > 0")
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay={self.weight_decay} must be >= 0")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip={self.grad_clip} must be > 0 (or None for no clipping)")
-
-
-def _device_name(value: object) -> None:
-    """Raise unless ``value`` parses as a device attnlib runs on (available or not: :func:`train` checks that)."""
-    if not isinstance(value, (str, torch.device)):
-        raise TypeError(f"device must be a str or a torch.device (cpu, cuda, cuda:N or mps) or None; "
-                        f"got {value!r} ({type(value).__name__})")
-    try:
-        kind = torch.device(value).type
-    except (RuntimeError, ValueError):
-        raise ValueError(f"device={value!r} is not a torch device (expected cpu, cuda, cuda:N or mps)") from None
-    if kind not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"device={value!r}: attnlib runs on cpu, cuda or mps")
 
 
 def _token_data(name: str, data: object, block_size: int) -> None:

@@ -64,7 +64,7 @@ def test_attnlib_device_keeps_cpu_and_unset_working(monkeypatch, value):
         (dict(device="gpu"), ValueError, "device='gpu' is not a torch device (expected cpu, cuda, cuda:N or mps)"),
         (dict(device="cuda:x"), ValueError, "device='cuda:x' is not a torch device"),
         (dict(device="meta"), ValueError, "device='meta': attnlib runs on cpu, cuda or mps"),
-        (dict(device=0), TypeError, "device must be a str or a torch.device (cpu, cuda, cuda:N or mps) or None; got 0 (int)"),
+        (dict(device=0), TypeError, "device must be a str or a torch.device (cpu, cuda, cuda:N or mps); got 0 (int)"),
         (dict(learning_rate="1e-3"), TypeError, "learning_rate must be a number; got '1e-3' (str)"),
         (dict(learning_rate=True), TypeError, "learning_rate must be a number; got True (bool)"),
         (dict(learning_rate=float("inf")), ValueError, "learning_rate=inf must be a finite number"),

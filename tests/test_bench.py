@@ -267,8 +267,8 @@ def _exit_2(argv, capsys) -> str:
         (["mha", "--tile-size", "0"], "argument --tile-size: 0 must be positive"),
         (["mha", "--dtype", "float8"], "invalid choice: 'float8'"),
         (["mha", "--rows", "layer/flash"], "argument --rows: layer/flash not among"),
-        (["mha", "--device", "tpu"], "argument --device: 'tpu' is not a device"),
-        (["mha", "--device", "meta"], "argument --device: 'meta': benchmarks run on cpu, cuda or mps"),
+        (["mha", "--device", "tpu"], "argument --device: 'tpu' is not a torch device"),
+        (["mha", "--device", "meta"], "argument --device: 'meta': attnlib runs on cpu, cuda or mps"),
         (["kv-cache", "--variants", "mha,foo"], "argument --variants: foo not among mha,gqa,mqa,mla"),
         (["kv-cache", "--variants", ","], "argument --variants: ',' names nothing"),
         (["kv-cache", "--tokens", "0"], "argument --tokens: 0 must be positive"),
@@ -289,7 +289,7 @@ def test_cli_bad_flags_exit_2_naming_the_value(argv, named, capsys):
 def test_cli_unavailable_cuda_is_refused(capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    assert "argument --device: 'cuda': CUDA is not available" in _exit_2(["train", "--device", "cuda"], capsys)
+    assert "argument --device: 'cuda': this machine has no CUDA device" in _exit_2(["train", "--device", "cuda"], capsys)
 
 
 def test_cli_unwritable_out_is_refused_before_any_measurement(tmp_path, capsys):

@@ -76,20 +76,8 @@ def _positive_list(text: str) -> list[int]:
 
 
 def _device(text: str) -> torch.device:
-    """A device this machine has: ``cpu``, ``cuda[:i]``, ``mps``."""
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device; expected cpu, cuda, cuda:N or mps") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available on this machine")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r}: MPS is not available on this machine")
-    if device.type not in ("cpu", "cuda", "mps"):
-        raise argparse.ArgumentTypeError(f"{text!r}: benchmarks run on cpu, cuda or mps")
-    return device
+    """A device this machine has: ``cpu``, ``cuda[:i]``, ``mps`` (:func:`attnlib._cli.device`)."""
+    return torch.device(_cli.device(text))
 
 
 def _parser() -> argparse.ArgumentParser:
