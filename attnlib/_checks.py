@@ -1,10 +1,13 @@
 """Argument checks shared by the library: bad input fails early, naming the value."""
 from __future__ import annotations
 
+import json
 import math
 import numbers
+import os
 from collections.abc import Container, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -235,3 +238,28 @@ def weight_tensors(state: object, ignore: tuple[str, ...] = ()) -> None:
                             "(a quantised checkpoint must be dequantised first)")
         if value.device.type == "meta":
             raise ValueError(f"the state dict's {key!r} is on the meta device (no values): load the weights first")
+
+
+def file_path(name: str, path: object) -> Path:
+    """``path`` as a ``Path``; ``TypeError`` naming ``name`` unless it is a str or an ``os.PathLike``."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a str or os.PathLike; got {path!r} ({type(path).__name__})")
+    return Path(path)
+
+
+def read_json(path: Path, refusal: str) -> object:
+    """The JSON value in the file at ``path``; a file that is not UTF-8 JSON is refused with ``refusal`` (which
+    names the file and what it should have been) followed by what is wrong.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: not UTF-8 text, or invalid JSON (with json's line and column).
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{refusal}not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{refusal}invalid JSON ({e})") from None

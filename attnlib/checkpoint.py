@@ -7,22 +7,16 @@ file) and refuses, naming the path, anything that is not such a file or does not
 from __future__ import annotations
 
 import json
-import os
 import pickle
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from attnlib._checks import file_path
 from attnlib._device import check_device
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
-
-
-def _path(name: str, path: object) -> Path:
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"{name} must be a str or os.PathLike; got {path!r} ({type(path).__name__})")
-    return Path(path)
 
 
 def save_checkpoint(path: str | Path, model: nn.Module, **extra) -> None:
@@ -33,7 +27,7 @@ def save_checkpoint(path: str | Path, model: nn.Module, **extra) -> None:
         ValueError: ``extra`` uses the reserved key ``"config"`` or ``"state_dict"``, or holds a value
             that is not JSON-able (it could not be loaded back with ``weights_only=True``).
     """
-    path = _path("path", path)
+    path = file_path("path", path)
     if not isinstance(model, nn.Module) or not callable(getattr(getattr(model, "config", None), "to_dict", None)):
         raise TypeError(f"model must be an nn.Module with a config.to_dict() (as attnlib.GPT has); got {type(model).__name__}")
     reserved = sorted({"config", "state_dict"} & extra.keys())
@@ -82,7 +76,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu"):
     from attnlib.models.config import GPTConfig
     from attnlib.models.decoder import GPT
 
-    path = _path("path", path)
+    path = file_path("path", path)
     if isinstance(map_location, (str, torch.device)):
         check_device("map_location", map_location)
     elif not (isinstance(map_location, dict) or callable(map_location)):

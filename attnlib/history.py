@@ -5,9 +5,10 @@ Chapter 12 plots it; :func:`attnlib.train.train` returns it.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from attnlib._checks import file_path, read_json
 
 __all__ = ["History"]
 
@@ -60,7 +61,7 @@ class History:
         Raises:
             TypeError: ``path`` is not a str / PathLike.
         """
-        Path(_path(path)).write_text(json.dumps(asdict(self), indent=1))
+        file_path("path", path).write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
     def from_json(cls, path: str | Path) -> History:
@@ -74,15 +75,8 @@ class History:
                 wrong type (``steps`` a list of ints, the losses lists of numbers, the times numbers), or
                 ``steps``, ``train_loss`` and ``val_loss`` of different lengths.
         """
-        path = Path(_path(path))
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path} is not a history: not UTF-8 text ({e.reason} at byte {e.start})") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not a history: invalid JSON ({e})") from None
+        path = file_path("path", path)
+        data = read_json(path, f"{path} is not a history: ")
         if not isinstance(data, dict):
             raise ValueError(f"{path} is not a history: it holds a JSON {type(data).__name__}, expected an object "
                              f"with the keys {', '.join(_FIELDS)}")
@@ -102,12 +96,6 @@ class History:
             raise ValueError(f"{path}: steps, train_loss and val_loss must have one entry per evaluation; "
                              f"got lengths {lengths}")
         return cls(**data)
-
-
-def _path(path: object) -> str | Path:
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike; got {path!r} ({type(path).__name__})")
-    return path
 
 
 def _number(x: object) -> bool:

@@ -2,34 +2,14 @@
 
 A saved tokenizer is JSON: ``{"format": "attnlib-bpe", "version": 1, "vocab": {"id": "hex bytes", ...},
 "merges": [[a, b, new_id], ...]}``. Reading one refuses anything else with a ``ValueError`` that names the
-entry (and, from :func:`read_json`, the file), so that a damaged file never becomes a silently wrong tokenizer.
+entry (and ``BPETokenizer.load`` the file), so that a damaged file never becomes a silently wrong tokenizer.
 """
 from __future__ import annotations
 
-import json
-import os
-
-__all__ = ["FORMAT", "VERSION", "parse_description", "read_json"]
+__all__ = ["FORMAT", "VERSION", "parse_description"]
 
 FORMAT = "attnlib-bpe"
 VERSION = 1
-
-
-def read_json(path: str | os.PathLike, what: str) -> object:
-    """The JSON value in the file at ``path``.
-
-    Raises:
-        FileNotFoundError: no file at ``path``.
-        ValueError: not UTF-8 text, or invalid JSON (with json's line and column); the message starts with the
-            path and says the file is not ``what``.
-    """
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not {what}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not {what}: invalid JSON ({e})") from None
 
 
 def parse_description(data: object) -> tuple[dict[int, bytes], list[tuple[tuple[int, int], int]]]:

@@ -33,9 +33,9 @@ import os
 import time
 from collections.abc import Iterable
 
-from attnlib._checks import token_id_list
+from attnlib._checks import file_path, read_json, token_id_list
 from attnlib.tokenizers._pairs import PairSequence
-from attnlib.tokenizers._saved import FORMAT, VERSION, parse_description, read_json
+from attnlib.tokenizers._saved import FORMAT, VERSION, parse_description
 
 __all__ = ["BPETokenizer", "bytes_to_unicode"]
 
@@ -57,12 +57,6 @@ def bytes_to_unicode() -> dict[int, str]:
             table[b] = chr(256 + n)
             n += 1
     return table
-
-
-def _check_path(path: object) -> str | os.PathLike:
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike; got {path!r} ({type(path).__name__})")
-    return path
 
 
 def _check_ids(ids: object, vocab: dict[int, bytes]) -> list[int]:
@@ -266,7 +260,7 @@ class BPETokenizer:
         Raises:
             TypeError: ``path`` is not a str / PathLike.
         """
-        with open(_check_path(path), "w", encoding="utf-8") as f:
+        with open(file_path("path", path), "w", encoding="utf-8") as f:
             json.dump(self.to_dict(), f)
 
     @classmethod
@@ -279,8 +273,8 @@ class BPETokenizer:
             ValueError: the file is not a saved tokenizer; the message starts with the path and says what is
                 wrong: not UTF-8 text, invalid JSON (with json's line and column), or what :meth:`from_dict` refuses.
         """
-        path = _check_path(path)
-        data = read_json(path, "a saved tokenizer")
+        path = file_path("path", path)
+        data = read_json(path, f"{path}: not a saved tokenizer: ")
         try:
             return cls.from_dict(data)
         except ValueError as e:
