@@ -49,15 +49,17 @@ def float_input(x: object, d_model: int, block_size: int | None = None, width: s
         raise ValueError(f"sequence length T={x.shape[-2]} exceeds block_size={block_size}")
 
 
-def finite_number(name: str, value: object, *, minimum: float | None = None) -> float:
+def finite_number(name: str, value: object, *, minimum: float | None = None, above: float | None = None) -> float:
     """Return ``value`` as a float; TypeError unless it is a real number (not a bool),
-    ValueError if it is nan/inf or below ``minimum``."""
+    ValueError if it is nan/inf, below ``minimum``, or not above ``above``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number; got {value!r} ({type(value).__name__})")
     if not math.isfinite(value):
         raise ValueError(f"{name}={value} must be a finite number")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}={value} must be >= {minimum}")
+    if above is not None and value <= above:
+        raise ValueError(f"{name}={value!r} must be a finite number > {above:g}")
     return float(value)
 
 

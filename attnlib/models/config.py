@@ -176,8 +176,8 @@ class DecoderConfig:
         if finite_number("norm_eps", self.norm_eps) <= 0:
             raise ValueError(f"norm_eps={self.norm_eps!r} must be > 0 (it keeps the norm's division away from 0)")
         for name in ("rope_base", "rope_local_base"):
-            if getattr(self, name) is not None and finite_number(name, getattr(self, name)) <= 1:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be a finite number > 1")
+            if getattr(self, name) is not None:
+                finite_number(name, getattr(self, name), above=1)
         if self.attn_softcap is not None and finite_number("attn_softcap", self.attn_softcap) <= 0:
             raise ValueError(f"attn_softcap must be a finite number > 0, got {self.attn_softcap!r}")
         if self.layer_types is not None:

@@ -45,8 +45,7 @@ def sinusoidal_encoding(T: int, d_model: int, base: float = 10000.0) -> torch.Te
     """
     positive_int("T", T)
     even("d_model", d_model)
-    if finite_number("base", base) <= 1:
-        raise ValueError(f"base={base!r} must be a finite number > 1")
+    finite_number("base", base, above=1)
     position = torch.arange(T, dtype=torch.float32)[:, None]  # (T, 1)
     freq = torch.exp(-math.log(base) * torch.arange(0, d_model, 2, dtype=torch.float32) / d_model)  # (d_model/2,)
     angle = position * freq  # (T, 1) * (d_model/2,) -> (T, d_model/2)
