@@ -36,6 +36,7 @@ __all__ = [
     "load_char_corpus",
     "train_val_split",
     "get_batch",
+    "token_tensor",
 ]
 
 FILENAME = "tinyshakespeare.txt"
@@ -141,11 +142,12 @@ def _check_fraction(train_fraction: object) -> None:
         raise ValueError(f"train_fraction={train_fraction} must be in (0, 1)")
 
 
-def _token_tensor(data: object) -> None:
+def token_tensor(name: str, data: object) -> None:
+    """Raise ``TypeError`` naming ``name`` unless ``data`` is a tensor of integer token ids (a corpus, 1-D)."""
     if not isinstance(data, torch.Tensor):
-        raise TypeError(f"data must be a 1-D torch.Tensor of token ids; got {type(data).__name__}")
+        raise TypeError(f"{name} must be a 1-D torch.Tensor of token ids; got {type(data).__name__}")
     if data.dtype == torch.bool or data.is_floating_point() or data.is_complex():
-        raise TypeError(f"data must hold integer token ids (e.g. torch.long); got dtype {data.dtype}")
+        raise TypeError(f"{name} must hold integer token ids (e.g. torch.long); got dtype {data.dtype}")
 
 
 def train_val_split(data: torch.Tensor, train_fraction: float = 0.9) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,7 +160,7 @@ def train_val_split(data: torch.Tensor, train_fraction: float = 0.9) -> tuple[to
         ValueError: ``train_fraction`` not in (0, 1), or ``data`` not 1-D.
     """
     _check_fraction(train_fraction)
-    _token_tensor(data)
+    token_tensor("data", data)
     if data.dim() != 1:
         raise ValueError(f"data must be a 1-D tensor of token ids; got shape {tuple(data.shape)}")
     n = int(train_fraction * len(data))
@@ -189,7 +191,7 @@ def get_batch(
         ValueError: sizes < 1, ``data`` not 1-D or too short for one window, or a ``device``
             this machine lacks (e.g. ``"cuda"`` without CUDA).
     """
-    _token_tensor(data)
+    token_tensor("data", data)
     positive_int("batch_size", batch_size)
     positive_int("block_size", block_size)
     generator_or_none(generator)

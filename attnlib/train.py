@@ -31,7 +31,7 @@ from attnlib._checks import eval_mode, finite_number, positive_int
 from attnlib._device import check_device
 from attnlib._device import device as default_device
 from attnlib.checkpoint import load_checkpoint, save_checkpoint
-from attnlib.data import get_batch
+from attnlib.data import get_batch, token_tensor
 from attnlib.history import History
 
 __all__ = [
@@ -100,10 +100,7 @@ class TrainConfig:
 
 def _token_data(name: str, data: object, block_size: int) -> None:
     """Raise unless ``data`` is a 1-D integer tensor longer than ``block_size`` (one training window)."""
-    if not isinstance(data, torch.Tensor):
-        raise TypeError(f"{name} must be a 1-D torch.Tensor of token ids; got {type(data).__name__}")
-    if data.dtype == torch.bool or data.is_floating_point() or data.is_complex():
-        raise TypeError(f"{name} must hold integer token ids (e.g. torch.long); got dtype {data.dtype}")
+    token_tensor(name, data)
     if data.dim() != 1 or len(data) <= block_size:
         raise ValueError(f"{name} must be 1-D and longer than block_size={block_size}; got shape {tuple(data.shape)}")
 
