@@ -85,6 +85,7 @@ def check_notebook(path: str | Path, timeout: int = 600) -> list[tuple[str, str,
                 declared.append(f"{int(a):02d}.{int(b)}")
                 starts.append(index)
     stopped: dict[int, str] = {}  # cell index -> what stopped it
+    died: list[int] = []  # the cell in which the kernel died: no later cell ran
     running = {"cell": None}
 
     def on_cell_start(cell, cell_index):
@@ -107,6 +108,7 @@ def check_notebook(path: str | Path, timeout: int = 600) -> list[tuple[str, str,
             client.execute()
         except DeadKernelError:
             stopped[running["cell"]] = "stopped the kernel (it died: out of memory, or an exit?); later cells did not run"
+            died.append(running["cell"])
         finally:
             if before is None:
                 del os.environ[VERDICTS_ENV]
@@ -117,14 +119,14 @@ def check_notebook(path: str | Path, timeout: int = 600) -> list[tuple[str, str,
             v = json.loads(line)
             verdicts[v["exercise"]] = (v["status"], v["detail"])  # the last check of an exercise counts
     ids = declared + [i for i in verdicts if i not in declared]
-    return [(i, *verdicts.get(i, (NOT_CHECKED, _why_not_checked(i, declared, starts, stopped, len(nb.cells)))))
+    return [(i, *verdicts.get(i, (NOT_CHECKED, _why_not_checked(i, declared, starts, stopped, died, len(nb.cells)))))
             for i in ids]
 
 
 _TIMED_OUT = "CellTimeout"
 
 
-def _why_not_checked(exercise_id: str, declared: list[str], starts: list[int], stopped: dict[int, str],
+def _why_not_checked(exercise_id: str, declared: list[str], starts: list[int], stopped: dict[int, str], died: list[int],
                      n_cells: int) -> str:
     """The detail of an exercise no check graded: what stopped a cell of its part of the notebook (from its
     label to the next exercise's), or a kernel that died before it; else an earlier cell's failure."""
@@ -132,7 +134,7 @@ def _why_not_checked(exercise_id: str, declared: list[str], starts: list[int], s
         k = declared.index(exercise_id)
         first, end = starts[k], starts[k + 1] if k + 1 < len(starts) else n_cells
         for index in sorted(stopped):
-            if first <= index < end or (index < first and "later cells did not run" in stopped[index]):
+            if first <= index < end or (index < first and index in died):
                 return f"cell {index + 1} {stopped[index]}"
     return "no check ran for it (did an earlier cell fail?)"
 
