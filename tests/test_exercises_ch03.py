@@ -4,6 +4,7 @@ import torch
 
 from attnlib.attention import causal_mask
 from attnlib.book.exercises import CORRECT, WRONG, grade
+from exercise_table import Answers
 
 # 03.1 bottom-right causal mask ---------------------------------------------------------------
 
@@ -76,22 +77,54 @@ def batch_mask_unbroadcast(lengths, T):
     return _real(lengths, T)[:, None, :]  # (B, 1, T), not (B, T, T)
 
 
-def test_03_2_reference_is_correct():
-    assert grade("03.2", batch_mask).status == CORRECT
+def batch_mask_compare(lengths, T):  # another correct way: compare positions with the lengths directly
+    pos = torch.arange(T)
+    return (pos[None, None, :] <= pos[None, :, None]) & (pos[None, None, :] < lengths[:, None, None])
 
 
-@pytest.mark.parametrize(
-    "answer, hint",
-    [
-        (batch_mask_queries_padded, "instead of pad keys"),
-        (batch_mask_not_causal, "the causal part is missing"),
-        (batch_mask_no_padding, "ignores the lengths"),
-        (batch_mask_unbroadcast, "has shape"),
-    ],
-)
-def test_03_2_mistakes_are_wrong(answer, hint):
-    verdict = grade("03.2", answer)
-    assert verdict.status == WRONG and hint in verdict.detail, str(verdict)
+def batch_mask_from_library(lengths, T):  # the rule is "build it yourself"
+    from attnlib.attention import causal_mask as cm, padding_mask as pm
+
+    return cm(T) & pm(lengths, T)[:, None, :]
+
+
+def batch_mask_through_the_module(lengths, T):
+    import attnlib.attention.masks as masks
+
+    return masks.causal_mask(T) & (torch.arange(T)[None, :] < lengths[:, None])[:, None, :]
+
+
+def batch_mask_lengths_off_by_one(lengths, T):
+    return _causal(T) & (torch.arange(T)[None, :] <= lengths[:, None])[:, None, :]
+
+
+def batch_mask_in_place(lengths, T):
+    lengths.unsqueeze_(1)  # (B,) -> (B, 1) in the caller's tensor too
+    return _causal(T) & (torch.arange(T)[None, :] < lengths)[:, None, :]
+
+
+def batch_mask_memorised(lengths, T):  # learned the fixed cases only
+    if lengths.tolist() in ([4, 2, 3], [5], [1, 6, 0, 3]):
+        return batch_mask(lengths, T)
+    return _causal(T).expand(len(lengths), T, T)
+
+
+ANSWERS = {
+    "03.2": Answers(
+        correct=[batch_mask, batch_mask_compare],
+        wrong=[
+            (batch_mask_queries_padded, "instead of pad keys"),
+            (batch_mask_not_causal, "the causal part is missing"),
+            (batch_mask_no_padding, "ignores the lengths"),
+            (batch_mask_unbroadcast, "has shape"),
+            (batch_mask_from_library, "build the mask yourself"),
+            (batch_mask_through_the_module, "build the mask yourself"),
+            (batch_mask_lengths_off_by_one, "pad keys"),
+            (batch_mask_in_place, "in place"),
+            (batch_mask_memorised, "ignores the lengths"),
+        ],
+    ),
+}
 
 
 # 03.3 sliding window -------------------------------------------------------------------------

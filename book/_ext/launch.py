@@ -13,8 +13,9 @@ that. ``make launch`` (``python book/_ext/launch.py``) writes a copy of every no
 - ``{ref}``, ``{numref}``, ``{doc}`` and ``{term}`` are links into the rendered book (its base URL
   is ``html.baseurl`` in ``_config.yml``); ``{cite}``, ``{cite:p}`` and ``{cite:t}`` are
   author-year text ("Vaswani et al. (2017)") linked to the bibliography page;
-- an admonition (``{note}``, ``:::{admonition} Title``, a dropdown, ...) is a block quote whose
-  first line is its title in bold; ``{math}`` is ``$...$``;
+- an admonition (``{note}``, ``:::{admonition} Title``, ...) is a block quote whose first line is
+  its title in bold, and a dropdown (``{dropdown}`` or ``:class: dropdown``, an answer to a
+  follow-up question) an HTML ``<details>`` block, collapsed until clicked; ``{math}`` is ``$...$``;
 - a figure's caption (cell metadata ``mystnb.figure.caption``) follows its cell in italics;
 - the first cell installs attnlib with the extras whose packages the notebook imports (directly
   or through the attnlib modules it imports), visibly, and does nothing where attnlib is already
@@ -381,6 +382,9 @@ def directive(name: str, argument: str, body: list[str], nb: Notebook) -> list[s
         return []
     if name in ADMONITIONS:
         title = convert_inline(argument, nb) if argument else ("See also" if name == "seealso" else name.capitalize())
+        if name == "dropdown" or "dropdown" in options.get("class", "").split():
+            # a collapsed answer stays collapsed: Jupyter, JupyterLab and Colab render HTML <details>
+            return ["<details>", f"<summary><b>{title}</b></summary>", "", *content.split("\n"), "", "</details>"]
         return _quote(f"**{title}**" + (f"\n\n{content}" if content else ""))
     if name == "math":
         return ["$$", *body, "$$"]

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 __all__ = ["Verdict", "Wrong", "NotSolved", "EXERCISES", "exercise", "grade", "expect", "expect_close", "CORRECT", "NOT_SOLVED", "CHAPTERS", "load_all", "call_for_int",
+           "expect_tensor", "expect_int", "expect_number", "case_rng", "randint", "SEED_ENV",
            "WRONG", "CHECKER_ERROR", "VERDICTS_ENV"]
 
 CORRECT, NOT_SOLVED, WRONG, CHECKER_ERROR = "correct", "not solved yet", "wrong", "checker error"
@@ -154,6 +155,9 @@ def grade(exercise_id: str, answer: Any) -> Verdict:
         raise KeyError(f"no exercise {exercise_id!r}; known: {sorted(load_all())}")
     if answer is None:
         return _record(Verdict(exercise_id, NOT_SOLVED, "the answer is still None"))
+    from attnlib.book.exercises._run import restore
+
+    restore()  # a helper of the checks or a torch function replaced in an earlier cell is put back first
     try:
         # A check draws its own test inputs; forking the RNG keeps the notebook's random state as it was.
         with torch.random.fork_rng(devices=[]):
@@ -202,7 +206,7 @@ def expect(condition: bool, hint: str) -> None:
 
 def expect_close(actual: Any, expected: torch.Tensor, what: str, atol: float = 1e-5, rtol: float = 1e-4) -> None:
     """Raise :class:`Wrong` unless ``actual`` is a tensor of ``expected``'s shape and close to it."""
-    expect(isinstance(actual, torch.Tensor), f"{what} should be a torch.Tensor, got {type(actual).__name__}")
+    expect_tensor(actual, what)
     expect(
         tuple(actual.shape) == tuple(expected.shape),
         f"{what} has shape {tuple(actual.shape)}, expected {tuple(expected.shape)}",
@@ -215,6 +219,60 @@ def expect_close(actual: Any, expected: torch.Tensor, what: str, atol: float = 1
         torch.allclose(actual.detach().double(), expected.detach().double(), atol=atol, rtol=rtol),
         f"{what} differs from the expected values (max abs difference {diff:.3g})",
     )
+
+
+def expect_tensor(actual: Any, what: str, shape: tuple[int, ...] | None = None,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Raise :class:`Wrong` unless ``actual`` is a plain ``torch.Tensor`` (or ``nn.Parameter``) of ``shape``/``dtype``.
+
+    The type is checked exactly: a tensor subclass can redefine ``==``, ``allclose`` or ``__bool__``.
+    """
+    expect(type(actual) in (torch.Tensor, torch.nn.Parameter),
+           f"{what} should be a torch.Tensor, got {type(actual).__module__}.{type(actual).__qualname__}"
+           if isinstance(actual, torch.Tensor) else f"{what} should be a torch.Tensor, got {type(actual).__name__}")
+    if shape is not None:
+        expect(tuple(actual.shape) == tuple(shape), f"{what} has shape {tuple(actual.shape)}, expected {tuple(shape)}")
+    if dtype is not None:
+        expect(actual.dtype == dtype, f"{what} has dtype {actual.dtype}, expected {dtype}")
+    return actual
+
+
+def expect_int(actual: Any, what: str) -> int:
+    """Raise :class:`Wrong` unless ``actual`` is exactly a Python ``int`` (not a bool, float, tensor or subclass)."""
+    if actual is None:
+        raise NotSolved(f"{what}: return an int, not None")
+    expect(type(actual) is int, f"{what} should be a Python int, got {type(actual).__name__}"
+           + (" (use int(...) if you computed a float or a tensor)" if isinstance(actual, (float, torch.Tensor)) else ""))
+    return actual
+
+
+def expect_number(actual: Any, what: str) -> float:
+    """Raise :class:`Wrong` unless ``actual`` is exactly a Python ``int`` or ``float`` (finite); return it as a float."""
+    if actual is None:
+        raise NotSolved(f"{what}: return a number, not None")
+    expect(type(actual) in (int, float), f"{what} should be a Python float, got {type(actual).__name__}"
+           + (" (use .item() on a one-element tensor)" if isinstance(actual, torch.Tensor) else ""))
+    expect(actual == actual and abs(actual) != float("inf"), f"{what} is {actual}, not a finite number")
+    return float(actual)
+
+
+#: Environment variable that fixes the seed of the checks' random cases (tests set it; a notebook draws fresh ones).
+SEED_ENV = "ATTNLIB_EXERCISE_SEED"
+
+
+def case_rng() -> torch.Generator:
+    """A generator for a check's random cases: a fresh seed each time, or :data:`SEED_ENV`'s when set.
+
+    Fresh cases each run mean an answer cannot memorise the check's inputs; every check also keeps
+    its fixed edge cases.
+    """
+    seed = os.environ.get(SEED_ENV)
+    return torch.Generator().manual_seed(int(seed) if seed else int.from_bytes(os.urandom(7), "little"))
+
+
+def randint(g: torch.Generator, low: int, high: int) -> int:
+    """A Python int drawn uniformly from ``[low, high]`` (both ends included) with ``g``."""
+    return int(torch.randint(low, high + 1, (), generator=g))
 
 
 def call_for_int(fn: Callable[..., Any], args: tuple, case: str, config: Any) -> int:
@@ -249,7 +307,7 @@ def call_for_int(fn: Callable[..., Any], args: tuple, case: str, config: Any) ->
     if got is None:
         raise NotSolved("return the number of bytes as an int, not None")
     expect(
-        isinstance(got, int) and not isinstance(got, bool),
+        type(got) is int,
         f"return a Python int; got {type(got).__name__} (use int(...) if you computed a float or a tensor)",
     )
     return got

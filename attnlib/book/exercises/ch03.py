@@ -17,7 +17,8 @@ from torch import nn
 
 from attnlib.attention import causal_mask, padding_mask
 from attnlib.attention.teaching import CausalAttention, SelfAttentionV2
-from attnlib.book.exercises._core import exercise, expect, expect_close
+from attnlib.book.exercises._core import case_rng, exercise, expect, expect_close, randint
+from attnlib.book.exercises._run import Refuse, run
 
 __all__ = [
     "check_bottom_right_causal_mask",
@@ -50,31 +51,38 @@ def check_bottom_right_causal_mask(fn) -> None:
         expect_close(mask, expected, what)
 
 
+#: 03.2 is "build the mask yourself": attnlib's mask helpers are refused wherever they are reached from.
+_OWN_MASK = Refuse("build the mask yourself from torch.arange or torch.tril, not with attnlib's mask helpers",
+                   causal_mask, padding_mask)
+
+
 @exercise("03.2")
 def check_batch_attention_mask(fn) -> None:
     """Check a ``(B, T, T)`` mask combining the causal mask with right padding."""
-    g = torch.Generator().manual_seed(3)
-    cases = [(torch.tensor([4, 2, 3]), 4), (torch.tensor([5]), 5), (torch.tensor([1, 6, 0, 3]), 6)]
-    cases.append((torch.randint(0, 8, (5,), generator=g), 7))
+    g = case_rng()
+    cases = [([4, 2, 3], 4), ([5], 5), ([1, 6, 0, 3], 6)]  # fixed edges: an empty row, a full row
+    for _ in range(3):  # fresh cases each run: an answer cannot learn the check's inputs
+        T = randint(g, 2, 12)
+        cases.append((torch.randint(0, T + 1, (randint(g, 1, 5),), generator=g).tolist(), T))
     for lengths, T in cases:
-        what = f"batch_attention_mask(lengths={lengths.tolist()}, T={T})"
-        mask = fn(lengths.clone(), T)
+        what = f"batch_attention_mask(lengths=torch.tensor({lengths}), T={T})"
+        mask = run(fn, torch.tensor(lengths), T, what=what, refuse=_OWN_MASK)
         _expect_bool_mask(mask, (len(lengths), T, T), what)
-        causal = causal_mask(T)
-        real = padding_mask(lengths, T)  # (B, T), True = real token
-        keys_real = real[:, None, :]  # (B, 1, T): broadcast over the queries
-        queries_real = real[:, :, None]  # (B, T, 1)
-        expected = causal & keys_real
+        i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+        causal = j <= i  # (T, T)
+        real = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]  # (B, T), True = real token
+        expected = causal & real[:, None, :]  # pad keys are the last dimension
         if torch.equal(mask, expected):
             continue
         if torch.equal(mask, causal.expand_as(mask)):
             expect(False, f"{what} ignores the lengths: no query may attend to a pad key j >= lengths[b]")
         expect(not bool((mask & ~causal).any()), f"{what} lets query i see a key j > i: the causal part is missing")
-        expect(not bool((mask & ~keys_real).any()),
-               f"{what} lets a query attend to pad keys (j >= lengths[b]); mask the key dimension (the last one)")
-        if torch.equal(mask, causal & queries_real):
+        if torch.equal(mask, causal & real[:, :, None]):
             expect(False, f"{what} masks pad queries (rows) instead of pad keys (columns)")
-        expect_close(mask, expected, what)
+        expect(not bool((mask & ~real[:, None, :]).any()),
+               f"{what} lets a query attend to pad keys (j >= lengths[b]); mask the key dimension (the last one)")
+        expect(False, f"{what}: a real query i of row b must see every real key j <= i; your mask hides "
+                      f"{int((expected & ~mask).sum())} of them")
 
 
 @exercise("03.3")
