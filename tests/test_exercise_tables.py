@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from exercise_table import SEEDS, Answers
 
 import attnlib.book.exercises._core as core
 from attnlib.book.exercises import CORRECT, WRONG, grade, load_all
-from exercise_table import SEEDS, Answers
 
 EXERCISES = load_all()
 CHAPTERS = sorted({exercise_id.split(".")[0] for exercise_id in EXERCISES})

@@ -1,10 +1,10 @@
 """Chapter 03 exercise graders: reference answers pass, plausible mistakes fail, stubs are 'not solved yet'."""
 import pytest
 import torch
+from exercise_table import Answers
 
 from attnlib.attention import causal_mask
 from attnlib.book.exercises import CORRECT, WRONG, grade
-from exercise_table import Answers
 
 # 03.1 bottom-right causal mask ---------------------------------------------------------------
 
@@ -83,7 +83,8 @@ def batch_mask_compare(lengths, T):  # another correct way: compare positions wi
 
 
 def batch_mask_from_library(lengths, T):  # the rule is "build it yourself"
-    from attnlib.attention import causal_mask as cm, padding_mask as pm
+    from attnlib.attention import causal_mask as cm
+    from attnlib.attention import padding_mask as pm
 
     return cm(T) & pm(lengths, T)[:, None, :]
 

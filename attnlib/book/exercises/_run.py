@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from attnlib.book.exercises._core import NotSolved, Wrong, _learner_code, _raised_by_learner
 
@@ -134,6 +133,14 @@ def _snapshot(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _snapshot(v) for k, v in value.items()}
     return None
+
+
+def _copy(value: Any) -> Any:
+    """A deep copy of an argument, or the argument itself where it cannot be copied (a non-leaf tensor)."""
+    try:
+        return copy.deepcopy(value)
+    except (RuntimeError, TypeError):
+        return value
 
 
 def _changed(before: Any, value: Any) -> bool:
@@ -277,7 +284,7 @@ def run(fn: Any, *args: Any, what: str, refuse: Refuse | None = None, mutable: I
     if hint is not None:
         raise Wrong(hint)
     mutable = set(mutable)
-    given = [copy.deepcopy(a) if copy_args and i not in mutable else a for i, a in enumerate(args)]
+    given = [_copy(a) if copy_args and i not in mutable else a for i, a in enumerate(args)]
     before = [None if i in mutable else _snapshot(a) for i, a in enumerate(given)]
     result: dict[str, Any] = {}
     calls: list[str] = []
@@ -338,7 +345,3 @@ def _arg_name(fn: Any, i: int) -> str:
     except (TypeError, ValueError):
         return f"#{i + 1}"
 
-
-def tensors_in(value: Any) -> list[torch.Tensor]:
-    """Every tensor inside ``value`` (nested lists, tuples, dicts)."""
-    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
