@@ -188,6 +188,9 @@ def exercise(exercise_id: str) -> Callable[[Callable[[Any], None]], Callable[[An
         if exercise_id in EXERCISES:
             raise ValueError(f"exercise {exercise_id!r} is registered twice")
         EXERCISES[exercise_id] = grader
+        from attnlib.book.exercises._run import record
+
+        record()  # the checks' helpers as imported, before any answer can replace them
 
         @functools.wraps(grader)
         def check(answer: Any) -> None:

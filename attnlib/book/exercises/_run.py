@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnlib.book.exercises._core import NotSolved, Wrong, _learner_code, _raised_by_learner
 
-__all__ = ["Refuse", "run", "tampered", "restore"]
+__all__ = ["Refuse", "run", "tampered", "restore", "record"]
 
 
 class Refuse:
@@ -215,16 +215,10 @@ def _fingerprint(value: Any) -> Any:
     return getattr(func, "__code__", None)
 
 
-def _take_snapshot() -> dict[tuple[str, str], tuple[Any, Any]]:
-    return {(owner_name, name): (value, _fingerprint(value))
-            for owner_name, owner in _guarded() for name, value in _entries(owner).items()}
-
-
 def tampered() -> list[str]:
     """The check helpers and torch / Python functions replaced since the checks were loaded (names)."""
-    global _snapshot_of_guarded
     if _snapshot_of_guarded is None:
-        _snapshot_of_guarded = _take_snapshot()
+        record()
         return []
     owners = dict(_guarded())
     changed = []
@@ -238,11 +232,21 @@ def tampered() -> list[str]:
     return changed
 
 
-def restore() -> None:
-    """Put back whatever :func:`tampered` reports, and record the check modules loaded since."""
+def record() -> None:
+    """Note the check helpers and torch functions as they are now (called as each check is registered,
+    while a chapter's checks are imported, before any answer has run); later calls add new names only."""
     global _snapshot_of_guarded
     if _snapshot_of_guarded is None:
-        _snapshot_of_guarded = _take_snapshot()
+        _snapshot_of_guarded = {}
+    for owner_name, owner in _guarded():
+        for name, value in _entries(owner).items():
+            _snapshot_of_guarded.setdefault((owner_name, name), (value, _fingerprint(value)))
+
+
+def restore() -> None:
+    """Put back whatever :func:`tampered` reports, and record the check modules loaded since."""
+    if _snapshot_of_guarded is None:
+        record()
         return
     owners = dict(_guarded())
     for (owner_name, name), (value, code) in _snapshot_of_guarded.items():
@@ -254,9 +258,7 @@ def restore() -> None:
             func.__code__ = code
         if vars(owner).get(name) is not value:
             setattr(owner, name, value)
-    for owner_name, owner in owners.items():  # check modules imported after the first snapshot
-        for name, value in _entries(owner).items():
-            _snapshot_of_guarded.setdefault((owner_name, name), (value, _fingerprint(value)))
+    record()  # check modules imported after the first snapshot
 
 
 # ------------------------------------------------------------------------------ run
