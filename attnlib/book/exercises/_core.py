@@ -155,7 +155,7 @@ def grade(exercise_id: str, answer: Any) -> Verdict:
         raise KeyError(f"no exercise {exercise_id!r}; known: {sorted(load_all())}")
     if answer is None:
         return _record(Verdict(exercise_id, NOT_SOLVED, "the answer is still None"))
-    from attnlib.book.exercises._run import restore
+    from attnlib.book.exercises._guard import restore
 
     restore()  # a helper of the checks or a torch function replaced in an earlier cell is put back first
     try:
@@ -188,7 +188,7 @@ def exercise(exercise_id: str) -> Callable[[Callable[[Any], None]], Callable[[An
         if exercise_id in EXERCISES:
             raise ValueError(f"exercise {exercise_id!r} is registered twice")
         EXERCISES[exercise_id] = grader
-        from attnlib.book.exercises._run import record
+        from attnlib.book.exercises._guard import record
 
         record()  # the checks' helpers as imported, before any answer can replace them
 

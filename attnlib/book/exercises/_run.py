@@ -13,16 +13,14 @@ Every check calls the learner's code through :func:`run`, which
 * checks the call against the answer's signature first, and reports the answer's own exception with
   the line of the answer that raised it;
 * checks that the answer left the check's helpers and torch's functions as they were
-  (:func:`tampered`), so that replacing ``expect`` or ``torch.allclose`` cannot pass an answer.
+  (:func:`attnlib.book.exercises._guard.tampered`), so that replacing ``expect`` or ``torch.allclose`` cannot pass an answer.
 """
 from __future__ import annotations
 
-import builtins
 import contextlib
 import copy
 import inspect
 import linecache
-import math
 import sys
 import threading
 import types
@@ -30,13 +28,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnlib.book.exercises._core import NotSolved, Wrong, _learner_code, _raised_by_learner
+from attnlib.book.exercises._guard import restore, tampered
 
-__all__ = ["Refuse", "run", "tampered", "restore", "record"]
+__all__ = ["Refuse", "run"]
 
 
 class Refuse:
@@ -185,80 +183,6 @@ def _learner_line(error: BaseException, answer: Any) -> str:
         return ""
     source = linecache.getline(found.tb_frame.f_code.co_filename, found.tb_lineno).strip()
     return f" (line {found.tb_lineno} of {found.tb_frame.f_code.co_name}: {source})" if source else ""
-
-
-# ------------------------------------------------------------------------------ integrity
-
-_GUARDED_NAMESPACES = (builtins, math, torch, F, torch.nn.init, torch.linalg, torch.testing)
-_GUARDED_CLASSES = (torch.Tensor, torch._C.TensorBase, torch.nn.Module)
-_snapshot_of_guarded: dict[tuple[str, str], tuple[Any, Any]] | None = None
-
-
-def _guarded() -> Iterable[tuple[str, Any]]:
-    for namespace in _GUARDED_NAMESPACES:
-        yield namespace.__name__, namespace
-    for klass in _GUARDED_CLASSES:
-        yield klass.__qualname__, klass
-    for name, module in list(sys.modules.items()):
-        if name.startswith("attnlib.book.exercises") and module is not None:
-            yield name, module
-
-
-def _entries(owner: Any) -> dict[str, Any]:
-    names = vars(owner)
-    return {k: v for k, v in list(names.items()) if callable(v) and not (k.startswith("__") and k.endswith("__"))
-            or k in ("__eq__", "__bool__", "__float__", "__int__", "__index__")}
-
-
-def _fingerprint(value: Any) -> Any:
-    func = getattr(value, "__func__", value)
-    return getattr(func, "__code__", None)
-
-
-def tampered() -> list[str]:
-    """The check helpers and torch / Python functions replaced since the checks were loaded (names)."""
-    if _snapshot_of_guarded is None:
-        record()
-        return []
-    owners = dict(_guarded())
-    changed = []
-    for (owner_name, name), (value, code) in _snapshot_of_guarded.items():
-        owner = owners.get(owner_name)
-        if owner is None:
-            continue
-        now = vars(owner).get(name)
-        if now is not value or _fingerprint(now) is not code:
-            changed.append(f"{owner_name}.{name}")
-    return changed
-
-
-def record() -> None:
-    """Note the check helpers and torch functions as they are now (called as each check is registered,
-    while a chapter's checks are imported, before any answer has run); later calls add new names only."""
-    global _snapshot_of_guarded
-    if _snapshot_of_guarded is None:
-        _snapshot_of_guarded = {}
-    for owner_name, owner in _guarded():
-        for name, value in _entries(owner).items():
-            _snapshot_of_guarded.setdefault((owner_name, name), (value, _fingerprint(value)))
-
-
-def restore() -> None:
-    """Put back whatever :func:`tampered` reports, and record the check modules loaded since."""
-    if _snapshot_of_guarded is None:
-        record()
-        return
-    owners = dict(_guarded())
-    for (owner_name, name), (value, code) in _snapshot_of_guarded.items():
-        owner = owners.get(owner_name)
-        if owner is None:
-            continue
-        func = getattr(value, "__func__", value)
-        if code is not None and getattr(func, "__code__", code) is not code:
-            func.__code__ = code
-        if vars(owner).get(name) is not value:
-            setattr(owner, name, value)
-    record()  # check modules imported after the first snapshot
 
 
 # ------------------------------------------------------------------------------ run

@@ -1,0 +1,105 @@
+"""The checks' integrity: the check helpers and the torch / Python functions they use, as imported.
+
+A learner's cell can replace ``expect``, ``torch.allclose`` or ``builtins.isinstance``; a check
+would then pass anything, in that exercise and every later one of the kernel. :func:`record` notes
+those functions as each check is registered (while a chapter's checks are imported, before any
+answer runs); :func:`attnlib.book.exercises._core.grade` calls :func:`restore` before each check,
+and :func:`attnlib.book.exercises._run.run` calls :func:`tampered` after each call of an answer.
+"""
+from __future__ import annotations
+
+import builtins
+import inspect
+import math
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["record", "restore", "tampered"]
+
+_GUARDED_NAMESPACES = (builtins, math, torch, F, torch.nn.init, torch.linalg, torch.testing)
+_GUARDED_CLASSES = (torch.Tensor, torch._C.TensorBase, torch.nn.Module)
+_snapshot_of_guarded: dict[tuple[str, str], tuple[Any, Any]] | None = None
+_TORCH_DIR = str(Path(torch.__file__).parent)
+
+
+def _guarded() -> Iterable[tuple[str, Any]]:
+    for namespace in _GUARDED_NAMESPACES:
+        yield namespace.__name__, namespace
+    for klass in _GUARDED_CLASSES:
+        yield klass.__qualname__, klass
+    for name, module in list(sys.modules.items()):
+        if name.startswith("attnlib.book.exercises") and module is not None:
+            yield name, module
+
+
+def _entries(owner: Any) -> dict[str, Any]:
+    names = vars(owner)
+    return {k: v for k, v in list(names.items()) if callable(v) and not (k.startswith("__") and k.endswith("__"))
+            or k in ("__eq__", "__bool__", "__float__", "__int__", "__index__")}
+
+
+def _fingerprint(value: Any) -> Any:
+    func = getattr(value, "__func__", value)
+    return getattr(func, "__code__", None)
+
+
+def tampered() -> list[str]:
+    """The check helpers and torch / Python functions replaced since the checks were loaded (names)."""
+    if _snapshot_of_guarded is None:
+        record()
+        return []
+    owners = dict(_guarded())
+    changed = []
+    for (owner_name, name), (value, code) in _snapshot_of_guarded.items():
+        owner = owners.get(owner_name)
+        if owner is None:
+            continue
+        now = vars(owner).get(name)
+        if now is value and _fingerprint(now) is code:
+            continue
+        if _torch_wrapper_of(now, value):  # torch wraps some of its functions when torch._dynamo loads
+            _snapshot_of_guarded[(owner_name, name)] = (now, _fingerprint(now))
+            continue
+        changed.append(f"{owner_name}.{name}")
+    return changed
+
+
+def _torch_wrapper_of(now: Any, value: Any) -> bool:
+    """Whether ``now`` is torch's own wrapper (code in torch's package) around ``value``."""
+    code = _fingerprint(now)
+    return (code is not None and code.co_filename.startswith(_TORCH_DIR)
+            and inspect.unwrap(getattr(now, "__func__", now)) is getattr(value, "__func__", value))
+
+
+def record() -> None:
+    """Note the check helpers and torch functions as they are now (called as each check is registered,
+    while a chapter's checks are imported, before any answer has run); later calls add new names only."""
+    global _snapshot_of_guarded
+    if _snapshot_of_guarded is None:
+        _snapshot_of_guarded = {}
+    for owner_name, owner in _guarded():
+        for name, value in _entries(owner).items():
+            _snapshot_of_guarded.setdefault((owner_name, name), (value, _fingerprint(value)))
+
+
+def restore() -> None:
+    """Put back whatever :func:`tampered` reports, and record the check modules loaded since."""
+    if _snapshot_of_guarded is None:
+        record()
+        return
+    owners = dict(_guarded())
+    for (owner_name, name), (value, code) in _snapshot_of_guarded.items():
+        owner = owners.get(owner_name)
+        if owner is None:
+            continue
+        func = getattr(value, "__func__", value)
+        if code is not None and getattr(func, "__code__", code) is not code:
+            func.__code__ = code
+        if vars(owner).get(name) is not value:
+            setattr(owner, name, value)
+    record()  # check modules imported after the first snapshot
