@@ -92,6 +92,7 @@ def restore() -> None:
     if _snapshot_of_guarded is None:
         record()
         return
+    tampered()  # takes torch's own wrappers (torch._dynamo's) as the new originals
     owners = dict(_guarded())
     for (owner_name, name), (value, code) in _snapshot_of_guarded.items():
         owner = owners.get(owner_name)
