@@ -1,11 +1,12 @@
-"""The chapter 04 exercise checks: a reference answer is correct, a plausible mistake is wrong, a stub is not solved."""
+"""The chapter 04 exercise checks, table-driven (tests/exercise_table.py): each ANSWERS entry lists answers the
+check must accept and plausible mistakes it must refuse with a hint that names them."""
 import math
 
-import pytest
 import torch
+import torch.nn.functional as F
+from exercise_table import Answers
 
 from attnlib import MultiHeadAttentionWrapper
-from attnlib.book.exercises import CORRECT, WRONG, grade
 
 
 # ---------------------------------------------------------------- 04.1
@@ -44,6 +45,43 @@ def split_reversed(mha):
     wrapper = _split(mha)
     wrapper.heads = torch.nn.ModuleList(reversed(list(wrapper.heads)))
     return wrapper
+
+
+def split_by_slicing(mha):  # another way: slice the rows of each block, no view
+    d, e = mha.d_model, mha.head_dim
+    wrapper = MultiHeadAttentionWrapper(d, e, mha.block_size, mha.n_heads, bias=mha.qkv.bias is not None)
+    with torch.no_grad():
+        for r, head in enumerate(wrapper.heads):
+            for block, linear in enumerate((head.W_query, head.W_key, head.W_value)):
+                rows = slice(block * d + r * e, block * d + (r + 1) * e)
+                linear.weight.copy_(mha.qkv.weight[rows])
+                if linear.bias is not None:
+                    linear.bias.copy_(mha.qkv.bias[rows])
+    return wrapper
+
+
+def split_swapped_q_k(mha):  # takes the key block for the queries and the query block for the keys
+    wrapper = _split(mha)
+    for head in wrapper.heads:
+        head.W_query, head.W_key = head.W_key, head.W_query
+    return wrapper
+
+
+def split_in_place(mha):  # right heads, but "normalises" mha's query weights in place afterwards
+    wrapper = _split(mha)
+    with torch.no_grad():
+        mha.qkv.weight[: mha.d_model].div_(mha.qkv.weight[: mha.d_model].norm())
+    return wrapper
+
+
+def split_as_module_list(mha):
+    return torch.nn.ModuleList(_split(mha).heads)
+
+
+def split_three_heads_only(mha):  # learned from the first case: 3 heads of 4
+    d = mha.d_model
+    wrapper = MultiHeadAttentionWrapper(d, d // 3, mha.block_size, 3, bias=mha.qkv.bias is not None)
+    return wrapper if mha.n_heads != 3 or d % 3 else _split(mha)
 
 
 # ---------------------------------------------------------------- 04.2
@@ -107,6 +145,74 @@ def mha_einsum_w_out_transposed(x, w_qkv, b_qkv, w_out, b_out, n_heads):
     return _einsum(x, w_qkv, b_qkv, w_out.T.contiguous(), b_out, n_heads)
 
 
+def mha_einsum_separate_blocks(x, w_qkv, b_qkv, w_out, b_out, n_heads):  # another way: one einsum per block
+    B, T, d = x.shape
+    e = d // n_heads
+    q, k, v = (torch.einsum("btd,hed->bhte", x, w_qkv[i * d : (i + 1) * d].reshape(n_heads, e, d))
+               for i in range(3))
+    if b_qkv is not None:
+        q, k, v = (t + b_qkv[i * d : (i + 1) * d].reshape(1, n_heads, 1, e) for i, t in enumerate((q, k, v)))
+    scores = torch.einsum("bhqe,bhke->bhqk", q, k) * e**-0.5
+    scores = scores + torch.full((T, T), float("-inf")).triu(1)
+    y = torch.einsum("bhqk,bhke->bhqe", torch.softmax(scores, -1), v)
+    out = torch.einsum("bhte,ohe->bto", y, w_out.reshape(d, n_heads, e))
+    return out if b_out is None else out + b_out
+
+
+def mha_einsum_split_activations(x, w_qkv, b_qkv, w_out, b_out, n_heads):  # splits x's projections into heads
+    B, T, d = x.shape
+    e = d // n_heads
+    qkv = torch.einsum("btd,od->bto", x, w_qkv)
+    if b_qkv is not None:
+        qkv = qkv + b_qkv
+    q, k, v = (t.view(B, T, n_heads, e).transpose(1, 2) for t in qkv.split(d, dim=-1))
+    scores = torch.einsum("bhqe,bhke->bhqk", q, k) / math.sqrt(e)
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    y = torch.einsum("bhqk,bhke->bhqe", scores.softmax(-1), v)
+    out = torch.einsum("bhte,ohe->bto", y, w_out.view(d, n_heads, e))
+    return out if b_out is None else out + b_out
+
+
+def mha_einsum_sdpa_alias(x, w_qkv, b_qkv, w_out, b_out, n_heads):  # attnlib's attention under another name
+    from attnlib.attention.functions import attention as attend
+
+    B, T, d = x.shape
+    e = d // n_heads
+    qkv = torch.einsum("btd,shed->sbhte", x, w_qkv.view(3, n_heads, e, d))
+    if b_qkv is not None:
+        qkv = qkv + b_qkv.view(3, 1, n_heads, 1, e)
+    y, _ = attend(*qkv, is_causal=True)
+    out = torch.einsum("bhte,ohe->bto", y, w_out.view(d, n_heads, e))
+    return out if b_out is None else out + b_out
+
+
+def mha_einsum_aten_sdpa(x, w_qkv, b_qkv, w_out, b_out, n_heads):  # the fused kernel through torch.ops.aten
+    B, T, d = x.shape
+    e = d // n_heads
+    qkv = torch.einsum("btd,shed->sbhte", x, w_qkv.view(3, n_heads, e, d))
+    if b_qkv is not None:
+        qkv = qkv + b_qkv.view(3, 1, n_heads, 1, e)
+    y = torch.ops.aten.scaled_dot_product_attention(*qkv, is_causal=True)
+    out = torch.einsum("bhte,ohe->bto", y, w_out.view(d, n_heads, e))
+    return out if b_out is None else out + b_out
+
+
+def mha_einsum_linear_out(x, w_qkv, b_qkv, w_out, b_out, n_heads):  # the output projection with F.linear
+    B, T, d = x.shape
+    e = d // n_heads
+    w_eye = torch.eye(d).view(d, n_heads, e)
+    y = _einsum(x, w_qkv, b_qkv, w_eye, None, n_heads)  # the concatenated heads, through an identity W^O
+    return F.linear(y, w_out, b_out)
+
+
+def mha_einsum_no_out_bias(x, w_qkv, b_qkv, w_out, b_out, n_heads):
+    return _einsum(x, w_qkv, b_qkv, w_out, None, n_heads)
+
+
+def mha_einsum_memorised(x, w_qkv, b_qkv, w_out, b_out, n_heads):  # right only for the 3-head cases
+    return _einsum(x, w_qkv, b_qkv, w_out, b_out, n_heads if n_heads == 3 else 1)
+
+
 # ---------------------------------------------------------------- 04.3
 def _heads(mha, x):
     q, k, v = (mha.split_heads(t, mha.n_heads) for t in mha.qkv(x).split(mha.d_model, dim=-1))
@@ -159,39 +265,59 @@ def without_heads_all_on(mha, x, keep):
     return mha(x)
 
 
-@pytest.mark.parametrize(
-    "exercise_id, answer",
-    [("04.1", split_into_heads), ("04.2", mha_einsum), ("04.3", mha_without_heads)],
-)
-def test_reference_answer_is_correct(exercise_id, answer):
-    verdict = grade(exercise_id, answer)
-    assert verdict.status == CORRECT, str(verdict)
+def without_heads_subtract(mha, x, keep):  # another way: mha(x) minus what the dropped heads add through W^O
+    heads = _heads(mha, x)  # (B, n_heads, T, head_dim)
+    w = mha.out_proj.weight.view(mha.d_model, mha.n_heads, mha.head_dim)  # (out, head, feature)
+    dropped = torch.einsum("bhte,ohe->btho", heads, w)[:, :, ~keep].sum(2)  # (B, T, d_model)
+    return mha(x) - dropped
 
 
-@pytest.mark.parametrize(
-    "exercise_id, answer, hint",
-    [
-        ("04.1", split_interleaved, "wrong output"),
-        ("04.1", split_without_biases, "bias"),
-        ("04.1", split_reversed, "keep the heads in order"),
-        ("04.2", mha_einsum_d_model_scale, "1/sqrt(head_dim)"),
-        ("04.2", mha_einsum_no_mask, "mask"),
-        ("04.2", mha_matmul_only, "einsum"),
-        ("04.2", mha_matmul_only, "attnlib.MultiHeadAttention"),
-        ("04.2", mha_einsum_scores_by_matmul, "not with @"),
-        ("04.2", mha_einsum_w_out_transposed, "your output"),
-        ("04.3", without_heads_inverted, "True means keep"),
-        ("04.3", without_heads_output_features, "zeroed features of the output"),
-        ("04.3", without_heads_zero_queries, "zero queries still attends"),
-        ("04.3", without_heads_no_bias, "bias belongs to no head"),
-        ("04.3", without_heads_rescaled, "do not rescale"),
-        ("04.3", without_heads_in_place, "changed mha's weights"),
-        ("04.3", without_heads_all_on, "every head on"),
-    ],
-)
-def test_plausible_mistake_is_wrong(exercise_id, answer, hint):
-    verdict = grade(exercise_id, answer)
-    assert verdict.status == WRONG, str(verdict)
-    assert hint in verdict.detail, str(verdict)
+def without_heads_memorised(mha, x, keep):  # learned that the first head is the one to drop
+    keep = torch.ones_like(keep)
+    keep[0] = False
+    return mha_without_heads(mha, x, keep)
 
 
+ANSWERS = {
+    "04.1": Answers(
+        correct=[split_into_heads, split_by_slicing],
+        wrong=[
+            (split_interleaved, "wrong output"),
+            (split_without_biases, "bias"),
+            (split_reversed, "keep the heads in order"),
+            (split_swapped_q_k, "wrong output"),
+            (split_in_place, "in place"),
+            (split_as_module_list, "MultiHeadAttentionWrapper"),
+            (split_three_heads_only, "heads, expected n_heads"),
+        ],
+    ),
+    "04.2": Answers(
+        correct=[mha_einsum, mha_einsum_separate_blocks],
+        wrong=[
+            (mha_einsum_d_model_scale, "1/sqrt(head_dim)"),
+            (mha_einsum_no_mask, "mask the scores"),
+            (mha_matmul_only, "attnlib.attention.multi_head.MultiHeadAttention"),
+            (mha_einsum_scores_by_matmul, "einsum only"),
+            (mha_einsum_w_out_transposed, "nn.Linear's layout"),
+            (mha_einsum_split_activations, "reshape the weights, not the activations"),
+            (mha_einsum_sdpa_alias, "attnlib.attention.functions.attention"),
+            (mha_einsum_aten_sdpa, "scaled_dot_product"),
+            (mha_einsum_linear_out, "called linear"),
+            (mha_einsum_no_out_bias, "b_out is missing"),
+            (mha_einsum_memorised, "your output"),
+        ],
+    ),
+    "04.3": Answers(
+        correct=[mha_without_heads, without_heads_subtract],
+        wrong=[
+            (without_heads_inverted, "True means keep"),
+            (without_heads_output_features, "zeroed features of the output"),
+            (without_heads_zero_queries, "zero queries still attends"),
+            (without_heads_no_bias, "bias belongs to no head"),
+            (without_heads_rescaled, "do not rescale"),
+            (without_heads_in_place, "in place"),
+            (without_heads_all_on, "every head on"),
+            (without_heads_memorised, "your output"),
+        ],
+    ),
+}

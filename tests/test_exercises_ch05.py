@@ -1,10 +1,9 @@
-"""Chapter 05 exercise graders: reference answers pass, plausible mistakes fail, stubs are 'not solved yet'."""
+"""The chapter 05 exercise checks, table-driven (tests/exercise_table.py): each ANSWERS entry lists answers the
+check must accept and plausible mistakes it must refuse with a hint that names them."""
 import math
 
-import pytest
 import torch
-
-from attnlib.book.exercises import CORRECT, WRONG, grade
+from exercise_table import Answers
 
 # 05.1 talking-heads weights by hand -----------------------------------------------------------
 
@@ -27,29 +26,31 @@ def th_weights(q, k, mix_logits, mix_weights, mask=None, *, mask_first=False, fi
     return weights + bias
 
 
-def test_05_1_reference_is_correct():
-    assert grade("05.1", th_weights).status == CORRECT
+def th_weights_where(q, k, mix_logits, mix_weights, mask=None):  # another way: torch.where, finite fill after mixing
+    logits = torch.einsum("bhid,bhjd->bhij", q, k) * q.shape[-1] ** -0.5
+    logits = torch.einsum("bhij,gh->bgij", logits, mix_logits)
+    if mask is None:
+        return torch.einsum("bhij,gh->bgij", logits.softmax(-1), mix_weights)
+    weights = torch.where(mask, logits, torch.finfo(logits.dtype).min).softmax(-1)
+    weights = torch.where(mask, weights, 0.0)
+    return torch.einsum("bhij,gh->bgij", weights, mix_weights)
 
 
-@pytest.mark.parametrize(
-    "kwargs, hint",
-    [
-        (dict(mask_first=True), "NaN"),
-        (dict(mask_first=True, fill=-1e9), "before mixing"),
-        (dict(zero_masked=False), "NaN"),
-        (dict(transpose=True), "mix[h, g]"),
-        (dict(pre=False), "mix_logits was not applied"),
-        (dict(post=False), "mix_weights was not applied"),
-        (dict(scale=False), "sqrt(head_dim)"),
-        (dict(bias=0.01), "masked key got a non-zero weight"),
-    ],
-    ids=["mask-then-mix", "finite-mask-then-mix", "empty-rows-nan", "transposed", "no-pre", "no-post", "no-scale",
-         "bias"],
-)
-def test_05_1_mistakes_are_wrong(kwargs, hint):
-    verdict = grade("05.1", lambda *args: th_weights(*args, **kwargs))
-    assert verdict.status == WRONG
-    assert hint in verdict.detail
+def th_weights_library(q, k, mix_logits, mix_weights, mask=None):  # attnlib's layer, through its own import
+    from attnlib.attention import TalkingHeadsAttention as TH
+
+    B, h, T_k, d = k.shape
+    layer = TH(h * d, h, block_size=max(T_k, q.shape[2]), causal=False)
+    with torch.no_grad():
+        layer.mix_logits.copy_(mix_logits)
+        layer.mix_weights.copy_(mix_weights)
+        return layer.attend(q, k, torch.zeros(B, h, T_k, 1), mask, is_causal=False, need_weights=True)[1]
+
+
+def th_weights_causal_added(q, k, mix_logits, mix_weights, mask=None):  # adds a causal mask of its own
+    T_q, T_k = q.shape[2], k.shape[2]
+    own = torch.ones(T_q, T_k, dtype=torch.bool).tril(T_k - T_q)
+    return th_weights(q, k, mix_logits, mix_weights, own if mask is None else mask & own)
 
 
 # 05.2 which positions leak --------------------------------------------------------------------
@@ -72,27 +73,14 @@ def leaking(module, t, T, d_model, atol=1e-6, use_eval=True, one_at_a_time=True,
     return out
 
 
-def test_05_2_reference_is_correct():
-    assert grade("05.2", leaking).status == CORRECT
-
-
-@pytest.mark.parametrize(
-    "answer, hint",
-    [
-        (lambda m, t, T, d: leaking(m, t, T, d, atol=1e-3), "1e-6"),
-        (lambda m, t, T, d: leaking(m, t, T, d, use_eval=False), "eval()"),
-        (lambda m, t, T, d: leaking(m, t, T, d, one_at_a_time=False), "one position s at a time"),
-        (lambda m, t, T, d: leaking(m, t, T, d, start=0), "positions <= t"),
-        (lambda m, t, T, d: torch.zeros(T, dtype=torch.bool), "bias after the softmax"),
-        (lambda m, t, T, d: leaking(m, t, T, d).tolist(), "torch.Tensor"),
-        (lambda m, t, T, d: leaking(m, t, T, d).int(), "boolean"),
-    ],
-    ids=["loose", "no-eval", "cumulative", "past-included", "never", "list", "int"],
-)
-def test_05_2_mistakes_are_wrong(answer, hint):
-    verdict = grade("05.2", answer)
-    assert verdict.status == WRONG
-    assert hint in verdict.detail
+def leaking_by_gradient(module, t, T, d_model):  # another way: which inputs output t depends on, by autograd
+    was_training = module.training
+    module.eval()
+    x = torch.randn(1, T, d_model, requires_grad=True)
+    module(x)[0, t].abs().sum().backward()
+    module.train(was_training)
+    reach = x.grad[0].abs().amax(-1) > 0  # (T,)
+    return reach & (torch.arange(T) > t)
 
 
 # 05.3 convex mixing ---------------------------------------------------------------------------
@@ -111,27 +99,55 @@ def renormalised_raw(weights, mix_raw):
     return u / u.sum(-1, keepdim=True).clamp_min(1e-9)
 
 
-def test_05_3_reference_is_correct():
-    assert grade("05.3", convex).status == CORRECT
+def convex_shifted_exp(weights, mix_raw):  # another way: exp after subtracting the row maximum
+    e = (mix_raw - mix_raw.amax(-1, keepdim=True)).exp()
+    return torch.einsum("bgij,fg->bfij", weights, e / e.sum(-1, keepdim=True))
 
 
-@pytest.mark.parametrize(
-    "answer, hint",
-    [
-        (lambda w, r: torch.einsum("bgij,fg->bfij", w, torch.softmax(r, dim=0)), "rows should sum to 1"),
-        (lambda w, r: convex(w, r.T), "mix_raw[h, g]"),
-        (lambda w, r: torch.einsum("bgij,fg->bfij", w, r), "negative weights"),
-        (convex_manual_exp, "not finite"),
-        (renormalised_raw, "negative weights"),
-        (lambda w, r: convex(w, r) + 0.01, "masked weight became non-zero"),
-    ],
-    ids=["softmax-dim0", "transposed", "raw", "manual-exp", "renormalised", "bias"],
-)
-def test_05_3_mistakes_are_wrong(answer, hint):
-    verdict = grade("05.3", answer)
-    assert verdict.status == WRONG
-    assert hint in verdict.detail
+def convex_in_place(weights, mix_raw):  # right values, but overwrites the caller's mix_raw
+    mix_raw.copy_(torch.softmax(mix_raw, dim=-1))
+    return torch.einsum("bgij,fg->bfij", weights, mix_raw)
 
 
-# stubs ----------------------------------------------------------------------------------------
-
+ANSWERS = {
+    "05.1": Answers(
+        correct=[th_weights, th_weights_where],
+        wrong=[
+            (lambda *a: th_weights(*a, mask_first=True), "NaN"),
+            (lambda *a: th_weights(*a, mask_first=True, fill=-1e9), "before mixing"),
+            (lambda *a: th_weights(*a, zero_masked=False), "NaN"),
+            (lambda *a: th_weights(*a, transpose=True), "mix[h, g]"),
+            (lambda *a: th_weights(*a, pre=False), "mix_logits was not applied"),
+            (lambda *a: th_weights(*a, post=False), "mix_weights was not applied"),
+            (lambda *a: th_weights(*a, scale=False), "sqrt(head_dim)"),
+            (lambda *a: th_weights(*a, bias=0.01), "masked key got a non-zero weight"),
+            (th_weights_library, "write the talking-heads weights yourself"),
+            (th_weights_causal_added, "differs from attnlib's weights"),
+        ],
+    ),
+    "05.2": Answers(
+        correct=[leaking, leaking_by_gradient],
+        wrong=[
+            (lambda m, t, T, d: leaking(m, t, T, d, atol=1e-3), "1e-6"),
+            (lambda m, t, T, d: leaking(m, t, T, d, use_eval=False), "eval()"),
+            (lambda m, t, T, d: leaking(m, t, T, d, one_at_a_time=False), "one position s at a time"),
+            (lambda m, t, T, d: leaking(m, t, T, d, start=0), "positions <= t"),
+            (lambda m, t, T, d: torch.zeros(T, dtype=torch.bool), "bias after the softmax"),
+            (lambda m, t, T, d: leaking(m, t, T, d).tolist(), "torch.Tensor"),
+            (lambda m, t, T, d: leaking(m, t, T, d).int(), "boolean"),
+            (lambda m, t, T, d: torch.arange(T) == t + 2, "a causal layer was reported as leaking"),
+        ],
+    ),
+    "05.3": Answers(
+        correct=[convex, convex_shifted_exp],
+        wrong=[
+            (lambda w, r: torch.einsum("bgij,fg->bfij", w, torch.softmax(r, dim=0)), "rows should sum to 1"),
+            (lambda w, r: convex(w, r.T), "mix_raw[h, g]"),
+            (lambda w, r: torch.einsum("bgij,fg->bfij", w, r), "negative weights"),
+            (convex_manual_exp, "overflows"),
+            (renormalised_raw, "negative weights"),
+            (lambda w, r: convex(w, r) + 0.01, "masked weight became non-zero"),
+            (convex_in_place, "in place"),
+        ],
+    ),
+}

@@ -1,36 +1,63 @@
-"""The chapter 06 exercise checks: a reference answer is correct, a plausible mistake is wrong, a stub is not solved."""
+"""The chapter 06 exercise checks, table-driven (tests/exercise_table.py): each ANSWERS entry lists answers the
+check must accept and plausible mistakes it must refuse with a hint that names them."""
 import math
 
-import pytest
 import torch
 import torch.nn.functional as F
+from exercise_table import Answers
 
 from attnlib.attention import MultiHeadAttention, causal_mask
-from attnlib.book.exercises import (
-    CORRECT,
-    WRONG,
-    ch06,  # noqa: F401  (registers the 06.x graders)
-    grade,
-)
 
 
 # ---------------------------------------------------------------- 06.1
-def repeat_kv(k, n_rep):
-    B, n_kv_heads, T, head_dim = k.shape
-    return k[:, :, None].expand(B, n_kv_heads, n_rep, T, head_dim).reshape(B, n_kv_heads * n_rep, T, head_dim)
+def kv_head_of(attend, n_heads, n_kv_heads, head_dim):  # kv head j's values all equal j: the output says j
+    q = torch.zeros(1, n_heads, 1, head_dim)
+    k = torch.zeros(1, n_kv_heads, 1, head_dim)
+    v = torch.arange(n_kv_heads, dtype=torch.float32)[None, :, None, None].expand(1, n_kv_heads, 1, head_dim)
+    return attend(q, k, v)[0, :, 0, 0].round().long()
 
 
-def repeat_kv_tiled(k, n_rep):
-    return k.repeat(1, n_rep, 1, 1)
+def kv_head_of_one_hot(attend, n_heads, n_kv_heads, head_dim):  # another way: a one-hot value per kv head
+    T = n_kv_heads
+    q, k = torch.randn(2, n_heads, T, head_dim), torch.randn(2, n_kv_heads, T, head_dim)
+    v = torch.zeros(2, n_kv_heads, T, head_dim)
+    for j in range(n_kv_heads):  # kv head j: only its first token's value is non-zero, in feature 0
+        v[:, j, 0, 0] = 1.0 + j
+    out = attend(q, k, v)  # query 0 sees only token 0: its output is its kv head's value exactly
+    return (out[0, :, 0, 0] - 1.0).round().to(torch.int64)
 
 
-def repeat_kv_library(k, n_rep):
-    return k.repeat_interleave(n_rep, dim=1)
+def kv_head_of_grouped(attend, n_heads, n_kv_heads, head_dim):  # assumes Llama's order
+    return torch.arange(n_heads) // (n_heads // n_kv_heads)
 
 
-def repeat_kv_with_view(k, n_rep):  # .view cannot merge an expanded dimension: it raises
-    B, n_kv_heads, T, head_dim = k.shape
-    return k[:, :, None].expand(B, n_kv_heads, n_rep, T, head_dim).view(B, n_kv_heads * n_rep, T, head_dim)
+def kv_head_of_tiled(attend, n_heads, n_kv_heads, head_dim):  # assumes repeat's order
+    return torch.arange(n_heads) % n_kv_heads
+
+
+def kv_head_of_group_size_mixed_up(attend, n_heads, n_kv_heads, head_dim):  # divides by n_kv_heads, not g
+    return torch.arange(n_heads) // n_kv_heads
+
+
+def kv_head_of_float(attend, n_heads, n_kv_heads, head_dim):
+    return kv_head_of(attend, n_heads, n_kv_heads, head_dim).float()
+
+
+def kv_head_of_list(attend, n_heads, n_kv_heads, head_dim):
+    return kv_head_of(attend, n_heads, n_kv_heads, head_dim).tolist()
+
+
+def kv_head_of_keys_probed(attend, n_heads, n_kv_heads, head_dim):  # marks the keys, but zero queries see nothing
+    q = torch.zeros(1, n_heads, 2, head_dim)
+    k = torch.arange(n_kv_heads, dtype=torch.float32)[None, :, None, None].expand(1, n_kv_heads, 2, head_dim)
+    v = torch.ones(1, n_kv_heads, 2, head_dim)
+    return attend(q, k.contiguous(), v)[0, :, -1, 0].round().long() - 1
+
+
+def kv_head_of_wrong_shapes(attend, n_heads, n_kv_heads, head_dim):  # hands attend the kv heads repeated
+    q = torch.zeros(1, n_heads, 1, head_dim)
+    v = torch.arange(n_heads, dtype=torch.float32)[None, :, None, None].expand(1, n_heads, 1, head_dim)
+    return attend(q, v, v)[0, :, 0, 0].long()
 
 
 # ---------------------------------------------------------------- 06.2
@@ -194,51 +221,80 @@ def pool_kv_heads_fresh_out_proj(mha, n_kv_heads):  # forgets to copy the output
     return gqa
 
 
-REFERENCE = [("06.1", repeat_kv), ("06.2", gqa_attention), ("06.3", pool_kv_heads)]
+def gqa_attention_attnlib(q, k, v):  # attnlib's eager attention folds the groups itself: not by hand
+    from attnlib.attention.functions import attention as attend
+
+    return attend(q, k, v, mask=_scores_mask(q, k)[None, None])[0]
 
 
-@pytest.mark.parametrize(
-    "exercise_id, answer", REFERENCE + [("06.2", gqa_attention_folded)]
-)
-def test_reference_answer_is_correct(exercise_id, answer):
-    verdict = grade(exercise_id, answer)
-    assert verdict.status == CORRECT, str(verdict)
+def gqa_attention_aten(q, k, v):  # PyTorch's fused kernel through torch.ops.aten
+    return torch.ops.aten.scaled_dot_product_attention(q, k, v, attn_mask=_scores_mask(q, k), enable_gqa=True)
 
 
-@pytest.mark.parametrize(
-    "exercise_id, answer, hint",
-    [
-        ("06.1", repeat_kv_tiled, "i % n_kv_heads"),
-        ("06.1", repeat_kv_library, "calls repeat_interleave"),
-        ("06.1", repeat_kv_with_view, "RuntimeError"),
-        ("06.2", gqa_attention_broadcast_matmul, "torch.matmul when it broadcasts"),
-        ("06.2", gqa_attention_repeat, "allocated"),
-        ("06.2", gqa_attention_repeat_sdpa, "calls F.scaled_dot_product_attention"),
-        ("06.2", gqa_attention_sdpa, "calls F.scaled_dot_product_attention"),
-        ("06.2", gqa_attention_wrong_groups, "i // group_size"),
-        ("06.2", gqa_attention_top_left, "top-left"),
-        ("06.2", gqa_attention_unscaled, "not scaled"),
-        ("06.3", pool_kv_heads_first, "kept one head of each group"),
-        ("06.3", pool_kv_heads_sum, "summed the heads"),
-        ("06.3", pool_kv_heads_tiled, "i % n_kv_heads reading"),
-        ("06.3", pool_kv_heads_rows, "averaged neighbouring rows"),
-        ("06.3", pool_kv_heads_weights_only, "pool it the same way"),
-        ("06.3", pool_kv_heads_in_place, "changed the multi-head layer"),
-        ("06.3", pool_kv_heads_queries_too, "query rows of qkv changed"),
-        ("06.3", pool_kv_heads_fresh_out_proj, "copy out_proj unchanged"),
-    ],
-)
-def test_plausible_mistake_is_wrong(exercise_id, answer, hint):
-    verdict = grade(exercise_id, answer)
-    assert verdict.status == WRONG, str(verdict)
-    assert hint in verdict.detail, str(verdict)
+def gqa_attention_memorised(q, k, v):  # right only for the fixed cases' head counts (n_kv_heads 1, 2, 4 of 4, 8)
+    B, n_heads, T_q, head_dim = q.shape
+    if n_heads in (4, 8):
+        return gqa_attention(q, k, v)
+    return gqa_attention_wrong_groups(q, k, v)
 
 
+def pool_kv_heads_by_loop(mha, n_kv_heads):  # another way: a loop over groups and slices of rows
+    d, e, g = mha.d_model, mha.head_dim, mha.n_heads // n_kv_heads
+    gqa = MultiHeadAttention(d, mha.n_heads, n_kv_heads)
+    w, b = mha.qkv.weight.detach(), mha.qkv.bias.detach()
+    rows_w, rows_b = [w[:d]], [b[:d]]
+    for start in (d, 2 * d):
+        for j in range(n_kv_heads):
+            block = slice(start + j * g * e, start + (j + 1) * g * e)
+            rows_w.append(w[block].reshape(g, e, d).mean(0))
+            rows_b.append(b[block].reshape(g, e).mean(0))
+    with torch.no_grad():
+        gqa.qkv.weight.copy_(torch.cat(rows_w))
+        gqa.qkv.bias.copy_(torch.cat(rows_b))
+        gqa.out_proj.weight.copy_(mha.out_proj.weight)
+        gqa.out_proj.bias.copy_(mha.out_proj.bias)
+    return gqa
 
 
-@pytest.mark.parametrize("exercise_id", ["06.1", "06.2", "06.3"])
-def test_stub_is_not_solved(exercise_id):
-    def stub(*args):
-        raise NotImplementedError("not yet")
-
-    assert grade(exercise_id, stub).status == "not solved yet"
+ANSWERS = {
+    "06.1": Answers(
+        correct=[kv_head_of, kv_head_of_one_hot],
+        wrong=[
+            (kv_head_of_grouped, "do not assume it"),
+            (kv_head_of_tiled, "do not assume it"),
+            (kv_head_of_group_size_mixed_up, "query head i reads kv head"),
+            (kv_head_of_float, "dtype"),
+            (kv_head_of_list, "torch.Tensor"),
+            (kv_head_of_keys_probed, "query head i reads kv head"),
+            (kv_head_of_wrong_shapes, "attend expects"),
+        ],
+    ),
+    "06.2": Answers(
+        correct=[gqa_attention, gqa_attention_folded],
+        wrong=[
+            (gqa_attention_broadcast_matmul, "torch.matmul when it broadcasts"),
+            (gqa_attention_repeat, "allocated"),
+            (gqa_attention_repeat_sdpa, "write the attention yourself"),
+            (gqa_attention_sdpa, "write the attention yourself"),
+            (gqa_attention_attnlib, "attnlib.attention.functions.attention"),
+            (gqa_attention_aten, "scaled_dot_product"),
+            (gqa_attention_wrong_groups, "i // group_size"),
+            (gqa_attention_top_left, "top-left"),
+            (gqa_attention_unscaled, "not scaled"),
+            (gqa_attention_memorised, "i // group_size"),
+        ],
+    ),
+    "06.3": Answers(
+        correct=[pool_kv_heads, pool_kv_heads_by_loop],
+        wrong=[
+            (pool_kv_heads_first, "kept one head of each group"),
+            (pool_kv_heads_sum, "summed the heads"),
+            (pool_kv_heads_tiled, "i % n_kv_heads reading"),
+            (pool_kv_heads_rows, "averaged neighbouring rows"),
+            (pool_kv_heads_weights_only, "pool it the same way"),
+            (pool_kv_heads_in_place, "in place"),
+            (pool_kv_heads_queries_too, "query rows of qkv changed"),
+            (pool_kv_heads_fresh_out_proj, "copy out_proj unchanged"),
+        ],
+    ),
+}

@@ -5,8 +5,8 @@
 * 05.3 ``convex_mix(weights, mix_raw)`` -> ``(B, n_heads, T_q, T_k)``: heads mixed by ``softmax(mix_raw, dim=-1)``
 
 Mixing matrices are indexed ``[output head, input head]``, as ``TalkingHeadsAttention.mix_logits``.
-The graders draw their random inputs from a local ``torch.Generator``; ``grade`` runs them inside
-``torch.random.fork_rng``, so checking an answer never changes the notebook's random state.
+Every learner call goes through :func:`~attnlib.book.exercises._run.run`; each check has fixed edge
+cases and fresh random ones from :func:`~attnlib.book.exercises._core.case_rng`.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from torch import nn
 from attnlib.attention import attention, causal_mask, padding_mask
 from attnlib.attention.multi_head import MultiHeadAttention
 from attnlib.attention.talking_heads import BiasedTalkingHeadsAttention, TalkingHeadsAttention
-from attnlib.book.exercises._core import exercise, expect, expect_close
+from attnlib.book.exercises._core import case_rng, exercise, expect, expect_close, expect_tensor, randint
+from attnlib.book.exercises._run import Refuse, run
 
 __all__ = ["check_talking_heads_weights", "check_leaking_positions", "check_convex_mix"]
 
@@ -60,25 +61,35 @@ def _cases_05_1(g: torch.Generator):
     q, k = torch.randn(2, 2, 3, 6, 4, generator=g).unbind(0)
     real = padding_mask(torch.tensor([6, 2]), 6).flip(-1)  # (B, T), True = real token, padded on the left
     left_padded = causal_mask(6) & real[:, None, :]  # (B, T, T); rows 0..3 of sequence 1 are empty
-    cases.append(("a left-padded causal mask (some rows have no key at all)", q, k, *mixing(3), left_padded.unsqueeze(1)))
+    cases.append(("a left-padded causal mask (some rows have no key at all)", q, k, *mixing(3),
+                  left_padded.unsqueeze(1)))
     q = torch.randn(1, 4, 2, 4, generator=g)
     k = torch.randn(1, 4, 6, 4, generator=g)
     cases.append(("2 queries over 6 keys (bottom-right causal mask)", q, k, *mixing(4), causal_mask(2, 6)[None, None]))
+    for _ in range(2):  # fresh sizes and a fresh left padding each run
+        B, h, T, d = randint(g, 1, 3), randint(g, 2, 5), randint(g, 3, 8), randint(g, 2, 6)
+        q, k = torch.randn(2, B, h, T, d, generator=g).unbind(0)
+        lengths = torch.randint(0, T + 1, (B,), generator=g)
+        real = (torch.arange(T)[None, :] >= T - lengths[:, None])  # (B, T), padded on the left
+        mask = (causal_mask(T) & real[:, None, :]).unsqueeze(1)  # (B, 1, T, T)
+        cases.append((f"a left-padded causal mask, lengths {lengths.tolist()}", q, k, *mixing(h), mask))
     return cases
+
+
+#: 05.1 asks for the weights by hand: attnlib's talking-heads layers are refused wherever they are reached from.
+_BY_HAND = Refuse("write the talking-heads weights yourself, not with attnlib's TalkingHeadsAttention",
+                  TalkingHeadsAttention, BiasedTalkingHeadsAttention)
 
 
 @exercise("05.1")
 def check_talking_heads_weights(fn) -> None:
     """Check hand-written talking-heads weights against ``TalkingHeadsAttention.attend``."""
-    g = torch.Generator().manual_seed(51)
+    g = case_rng()
     for what, q, k, P_l, P_w, mask in _cases_05_1(g):
-        expected = _reference_weights(q, k, P_l, P_w, mask)
-        answer = fn(q.clone(), k.clone(), P_l.clone(), P_w.clone(), None if mask is None else mask.clone())
         label = f"talking_heads_weights with {what}"
-        expect(isinstance(answer, torch.Tensor), f"{label} should return a torch.Tensor, got {type(answer).__name__}")
-        expect(tuple(answer.shape) == tuple(expected.shape),
-               f"{label} returned shape {tuple(answer.shape)}, expected (B, n_heads, T_q, T_k) = {tuple(expected.shape)}")
-        answer = answer.detach().float()
+        answer = run(fn, q, k, P_l, P_w, mask, what=label, refuse=_BY_HAND)
+        expected = _reference_weights(q, k, P_l, P_w, mask)
+        answer = expect_tensor(answer, label, shape=tuple(expected.shape)).detach().float()
         expect(not bool(torch.isnan(answer).any()),
                f"{label} contains NaN: mask the logits after mixing them (-inf * 0 is NaN), and give rows with "
                f"nothing to attend to zero weights")
@@ -149,10 +160,11 @@ def _talking_heads(
 @exercise("05.2")
 def check_leaking_positions(fn) -> None:
     """Check a per-position leak finder on causal, biased and partly unmasked layers."""
-    T, d_model, n_heads = 7, 16, 4
-    g = torch.Generator().manual_seed(52)
-    torch.manual_seed(52)  # the modules' own projections
+    g = case_rng()
+    T, d_model, n_heads = randint(g, 6, 9), 16, 4
+    torch.manual_seed(randint(g, 0, 2**31))  # the modules' own projections
     after = torch.arange(T)
+    ahead = randint(g, 2, 3)  # the mask that opens one key ahead: which one, fresh each run
     modules = [
         ("TalkingHeadsAttention with random mixing", _talking_heads(d_model, n_heads, g), lambda t: after < 0,
          "a causal layer was reported as leaking"),
@@ -163,20 +175,20 @@ def check_leaking_positions(fn) -> None:
          lambda t: after > t, "a bias after the softmax puts weight on every key after t"),
         ("BiasedTalkingHeadsAttention with bias 1e-4", _talking_heads(d_model, n_heads, g, BiasedTalkingHeadsAttention, 1e-4),
          lambda t: after > t, "a leak of about 1e-4 went unnoticed: use a tight tolerance (1e-6)"),
-        ("attention whose mask also opens the key 2 ahead", _MaskedAttention(d_model, n_heads, 2),
-         lambda t: after == t + 2,
-         "only position t + 2 reaches output t here: redraw one position s at a time, not everything from s on"),
+        (f"attention whose mask also opens the key {ahead} ahead", _MaskedAttention(d_model, n_heads, ahead),
+         lambda t: after == t + ahead,
+         f"only position t + {ahead} reaches output t here: redraw one position s at a time, not everything "
+         "from s on"),
         ("attention whose mask also opens the key 1 ahead", _MaskedAttention(d_model, n_heads, 1),
          lambda t: after == t + 1, "only position t + 1 reaches output t here"),
     ]
-    torch.manual_seed(53)  # a learner's probe probably draws from the global generator: make the verdict reproducible
+    torch.manual_seed(randint(g, 0, 2**31))  # a learner's probe may draw from the global generator
     for name, module, expected_of, hint in modules:
-        for t in (0, 3, T - 1):
+        for t in (0, randint(g, 1, T - 3), T - 1):
             expected = expected_of(t)
-            answer = fn(module, t, T, d_model)
             what = f"leaking_positions(<{name}>, t={t}, T={T})"
-            expect(isinstance(answer, torch.Tensor), f"{what} should return a torch.Tensor, got {type(answer).__name__}")
-            expect(tuple(answer.shape) == (T,), f"{what} returned shape {tuple(answer.shape)}, expected ({T},)")
+            answer = run(fn, module, t, T, d_model, what=what)
+            expect_tensor(answer, what, shape=(T,))
             expect(answer.dtype == torch.bool, f"{what} returned dtype {answer.dtype}; return a boolean tensor")
             expect(not bool(answer[: t + 1].any()),
                    f"{what} marked positions <= t: those are the past, which output t may read; only positions "
@@ -208,21 +220,23 @@ def _cases_05_3(g: torch.Generator):
                   torch.zeros(4, 4)))
     cases.append(("mix_raw with entries near +-100", w, causal_mask(4).expand_as(w),
                   100.0 * torch.randn(4, 4, generator=g).sign()))
+    for _ in range(2):  # fresh sizes each run
+        B, h, T = randint(g, 1, 3), randint(g, 2, 5), randint(g, 2, 7)
+        q, k, v = torch.randn(3, B, h, T, 3, generator=g).unbind(0)
+        _, w = attention(q, k, v, mask=causal_mask(T)[None, None])
+        cases.append((f"{h} heads, T={T}", w, causal_mask(T).expand_as(w), 3.0 * torch.randn(h, h, generator=g)))
     return cases
 
 
 @exercise("05.3")
 def check_convex_mix(fn) -> None:
     """Check a head mixing whose coefficients are a softmax over the input heads."""
-    g = torch.Generator().manual_seed(53)
+    g = case_rng()
     for what, weights, mask, mix_raw in _cases_05_3(g):
-        expected = _reference_convex_mix(weights, mix_raw)
         label = f"convex_mix with {what}"
-        answer = fn(weights.clone(), mix_raw.clone())
-        expect(isinstance(answer, torch.Tensor), f"{label} should return a torch.Tensor, got {type(answer).__name__}")
-        expect(tuple(answer.shape) == tuple(expected.shape),
-               f"{label} returned shape {tuple(answer.shape)}, expected {tuple(expected.shape)}")
-        answer = answer.detach().float()
+        answer = run(fn, weights, mix_raw, what=label)
+        expected = _reference_convex_mix(weights, mix_raw)
+        answer = expect_tensor(answer, label, shape=tuple(expected.shape)).detach().float()
         expect(bool(torch.isfinite(answer).all()),
                f"{label} is not finite: exp of large scores overflows; use torch.softmax (it subtracts the maximum)")
         expect(bool((answer[~mask] == 0).all()), f"{label}: a masked weight became non-zero; mix without a bias")

@@ -1,8 +1,8 @@
 """Exercise checks for chapter 06 (multi-query and grouped-query attention).
 
-* 06.1 ``check_repeat_kv``: ``repeat_kv(k, n_rep)`` copies each key/value head ``n_rep`` times,
-  ``(B, n_kv_heads, T, head_dim)`` → ``(B, n_kv_heads * n_rep, T, head_dim)``, built from
-  ``unsqueeze``/``expand``/``reshape``; checked against ``repeat_interleave`` on dim 1.
+* 06.1 ``check_kv_head_of``: ``kv_head_of(attend, n_heads, n_kv_heads, head_dim)`` finds, by probing a
+  grouped-query attention function it cannot read, which key/value head each query head reads
+  (the grouped order of Llama's ``repeat_kv``, the tiled order of ``repeat``, or any other).
 * 06.2 ``check_gqa_attention``: ``gqa_attention(q, k, v)``, causal grouped-query attention that
   never copies the keys or values; checked against
   ``F.scaled_dot_product_attention(..., enable_gqa=True)``, and its allocations are logged.
@@ -11,46 +11,35 @@
   al. 2023, §2.1: the checkpoint conversion before uptraining); checked against the check's own
   pooled weights and a GQA forward pass written out here.
 
-Rules an exercise states are enforced by what the answer does: calls it must not make
-(``repeat_interleave`` in 06.1, ``F.scaled_dot_product_attention`` in 06.2) are intercepted
-with a ``torch.overrides.TorchFunctionMode`` while the answer runs.
-
-The graders draw their random inputs from a local ``torch.Generator``; ``grade`` runs them
-inside ``torch.random.fork_rng``, so checking an answer never changes the notebook's global
-random state.
+Every learner call goes through :func:`~attnlib.book.exercises._run.run`: PyTorch's and attnlib's
+attention functions are refused with a :class:`~attnlib.book.exercises._run.Refuse` in 06.2, and the
+allocation log (a ``TorchDispatchMode``) runs in the answer's thread (``inside=``). Each check has
+fixed edge cases and fresh random ones from :func:`~attnlib.book.exercises._core.case_rng`.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch._dynamo  # noqa: F401  (a torch mode nested in run()'s imports it on first use, patching torch)
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from attnlib.attention import MultiHeadAttention, causal_mask
-from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect, expect_close
+from attnlib.attention import MultiHeadAttention, attention, causal_mask
+from attnlib.attention.functions import sdpa_attention
+from attnlib.book.exercises._core import (
+    NotSolved,
+    case_rng,
+    exercise,
+    expect,
+    expect_close,
+    expect_tensor,
+    randint,
+)
+from attnlib.book.exercises._run import Refuse, run
 
-__all__ = ["check_repeat_kv", "check_gqa_attention", "check_pool_kv_heads"]
-
-
-class _Forbidden(Exception):
-    """Raised (and caught by the check) when an answer calls a function its exercise rules out."""
-
-
-class _Forbid(TorchFunctionMode):
-    """While active, a call to a torch function named in ``names`` raises :class:`_Forbidden`."""
-
-    def __init__(self, *names: str) -> None:
-        super().__init__()
-        self.names = set(names)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in self.names:
-            raise _Forbidden(name)
-        return func(*args, **(kwargs or {}))
+__all__ = ["check_kv_head_of", "check_gqa_attention", "check_pool_kv_heads"]
 
 
 def _heads(B: int, n: int, T: int, head_dim: int, g: torch.Generator) -> torch.Tensor:
@@ -77,45 +66,61 @@ class _AllocationLog(TorchDispatchMode):
 
 
 # ---------------------------------------------------------------- 06.1
-_REPEAT_CASES = [  # (B, n_kv_heads, T, head_dim, n_rep)
-    (2, 2, 5, 4, 3),
-    (1, 1, 3, 2, 4),
-    (3, 4, 2, 8, 1),
-    (2, 3, 4, 4, 2),
-]
+
+
+def _gqa_with(kv_of: list[int]):
+    """A causal GQA attention function in which query head ``i`` reads key/value head ``kv_of[i]``."""
+    index = torch.tensor(kv_of)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+            raise TypeError("attend(q, k, v) takes three 4-D tensors: q (B, n_heads, T, head_dim), "
+                            "k and v (B, n_kv_heads, T, head_dim)")
+        if q.shape[1] != len(kv_of) or k.shape[1] != int(index.max()) + 1 or k.shape != v.shape \
+                or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
+            raise ValueError(f"attend expects q of shape (B, {len(kv_of)}, T, head_dim) and k, v of shape "
+                             f"(B, {int(index.max()) + 1}, T, head_dim); got q {tuple(q.shape)}, "
+                             f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+        mask = causal_mask(q.shape[-2], k.shape[-2])
+        return F.scaled_dot_product_attention(q, k[:, index], v[:, index], attn_mask=mask)  # (B, n_heads, T, hd)
+
+    return attend
 
 
 @exercise("06.1")
-def check_repeat_kv(repeat_kv) -> None:
-    """Check ``repeat_kv(k, n_rep)`` against ``k.repeat_interleave(n_rep, dim=1)``."""
-    g = torch.Generator().manual_seed(601)
-    for B, n_kv, T, head_dim, n_rep in _REPEAT_CASES:
-        k = _heads(B, n_kv, T, head_dim, g)
-        before = k.clone()
-        case = f"repeat_kv(k of shape {tuple(k.shape)}, n_rep={n_rep})"
-        try:
-            with _Forbid("repeat_interleave"):
-                got = repeat_kv(k, n_rep)
-        except _Forbidden:
-            raise Wrong(
-                "your repeat_kv calls repeat_interleave; build it by hand: "
-                "k[:, :, None].expand(...), then reshape"
-            ) from None
+def check_kv_head_of(kv_head_of) -> None:
+    """Check ``kv_head_of(attend, n_heads, n_kv_heads, head_dim)`` on attention functions of several head orders."""
+    g = case_rng()
+    orders = {
+        "grouped": lambda h, n: [i // (h // n) for i in range(h)],
+        "tiled": lambda h, n: [i % n for i in range(h)],
+    }
+    cases = [("grouped", 8, 2), ("tiled", 8, 2), ("grouped", 6, 3), ("tiled", 6, 3), ("grouped", 4, 1)]
+    for _ in range(3):  # any assignment of query heads to kv heads (every kv head used), fresh each run
+        n_kv = randint(g, 2, 4)
+        n_heads = n_kv * randint(g, 1, 3)
+        kv_of = torch.cat([torch.arange(n_kv), torch.randint(0, n_kv, (n_heads - n_kv,), generator=g)])
+        cases.append((kv_of[torch.randperm(n_heads, generator=g)].tolist(), n_heads, n_kv))
+    for order, n_heads, n_kv in cases:
+        kv_of = orders[order](n_heads, n_kv) if isinstance(order, str) else order
+        head_dim = randint(g, 2, 8)
+        kind = f"{order} order" if isinstance(order, str) else "its own order"
+        what = f"kv_head_of(attend, n_heads={n_heads}, n_kv_heads={n_kv}, head_dim={head_dim}) ({kind})"
+        got = run(kv_head_of, _gqa_with(kv_of), n_heads, n_kv, head_dim, what=what)
         if got is None:
-            raise NotSolved("return the repeated tensor, not None")
-        expect(isinstance(got, torch.Tensor), f"return a torch.Tensor; got {type(got).__name__}")
-        expect(torch.equal(k, before), f"{case} changed k in place; leave the input as it was")
-        shape = (B, n_kv * n_rep, T, head_dim)
-        expect(tuple(got.shape) == shape, f"{case} has shape {tuple(got.shape)}, expected {shape}")
-        expected = k.repeat_interleave(n_rep, dim=1)
-        if n_rep > 1 and n_kv > 1 and torch.equal(got, k.repeat(1, n_rep, 1, 1)):
-            expect(
-                False,
-                f"{case}: your head i holds kv head i % n_kv_heads: you tiled the heads (as k.repeat does). "
-                "A group of neighbouring query heads shares one kv head, so head i needs kv head i // n_rep: "
-                "put the new dimension of size n_rep right after the kv-head dimension (k[:, :, None])",
-            )
-        expect_close(got, expected, case)
+            raise NotSolved("return a tensor of n_heads kv-head indices, not None")
+        expect_tensor(got, what, shape=(n_heads,))
+        expect(got.dtype == torch.int64, f"{what} has dtype {got.dtype}; return integer indices (torch.long), "
+                                         "e.g. with .argmax() or .round().long()")
+        if torch.equal(got, torch.tensor(kv_of)):
+            continue
+        for name, rule in (("grouped", "i // group_size"), ("tiled", "i % n_kv_heads")):
+            if orders[name](n_heads, n_kv) != kv_of and got.tolist() == orders[name](n_heads, n_kv):
+                expect(False, f"{what}: you returned the {name} order, {rule}, but this attend shares its heads "
+                              f"another way ({kv_of}): find the mapping by probing attend (give each kv head's "
+                              "values its own constant), do not assume it")
+        expect(False, f"{what}: query head i reads kv head {kv_of}[i]; you said {got.tolist()}. Give each kv "
+                      "head's values a different constant: a head's output is an average of the values it reads")
 
 
 # ---------------------------------------------------------------- 06.2
@@ -128,74 +133,63 @@ _GQA_CASES = [  # (B, n_heads, n_kv_heads, T_q, T_k, head_dim)
     (1, 4, 2, 3, 6, 4),  # 3 new queries over 6 keys
 ]
 
+#: 06.2 asks for the attention written by hand: the library's and PyTorch's functions are refused.
+_OWN_ATTENTION = Refuse("write the attention yourself (scores, causal mask, softmax, weighted sum of the values)",
+                        F.scaled_dot_product_attention, attention, sdpa_attention, aten="scaled_dot_product")
+
 
 def _reference(q, k, v, mask, scale=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
 
 
-def _call_own_attention(gqa_attention, q, k, v):
-    """``gqa_attention(q, k, v)``, refused with a hint if it calls PyTorch's fused attention."""
-    try:
-        with _Forbid("scaled_dot_product_attention"):
-            return gqa_attention(q, k, v)
-    except _Forbidden:
-        raise Wrong(
-            "your gqa_attention calls F.scaled_dot_product_attention; write the attention "
-            "yourself (scores, causal mask, softmax, weighted sum of the values)"
-        ) from None
-
-
 @exercise("06.2")
 def check_gqa_attention(gqa_attention) -> None:
     """Check causal ``gqa_attention(q, k, v)`` against SDPA ``enable_gqa=True``, then that it copies no keys or values."""
-    g = torch.Generator().manual_seed(602)
-    for B, n_heads, n_kv, T_q, T_k, head_dim in _GQA_CASES:
+    g = case_rng()
+    cases = list(_GQA_CASES)
+    for _ in range(3):  # fresh sizes each run: 1 < n_kv_heads < n_heads and fewer queries than keys
+        n_kv, group = randint(g, 2, 3), randint(g, 2, 3)
+        T_k = randint(g, 2, 8)
+        cases.append((randint(g, 1, 3), n_kv * group, n_kv, randint(g, 1, T_k), T_k, randint(g, 2, 8)))
+    for B, n_heads, n_kv, T_q, T_k, head_dim in cases:
         q = _heads(B, n_heads, T_q, head_dim, g)
         k, v = _heads(B, n_kv, T_k, head_dim, g), _heads(B, n_kv, T_k, head_dim, g)
         case = f"(B={B}, n_heads={n_heads}, n_kv_heads={n_kv}, T_q={T_q}, T_k={T_k})"
         with torch.no_grad():
-            got = _call_own_attention(gqa_attention, q, k, v)
+            got = run(gqa_attention, q, k, v, what=f"gqa_attention{case}", refuse=_OWN_ATTENTION)
             if got is None:
                 raise NotSolved("return the attention output of shape (B, n_heads, T_q, head_dim), not None")
-            expect(isinstance(got, torch.Tensor), f"return a torch.Tensor; got {type(got).__name__}")
-            shape = (B, n_heads, T_q, head_dim)
-            expect(tuple(got.shape) == shape, f"{case}: output has shape {tuple(got.shape)}, expected {shape}")
+            expect_tensor(got, f"{case}: the output", shape=(B, n_heads, T_q, head_dim))
             expected = _reference(q, k, v, causal_mask(T_q, T_k))
             if torch.allclose(got, expected, atol=1e-5, rtol=1e-4):
                 continue
             group = n_heads // n_kv
             if 1 < n_kv < n_heads:
                 tiled = _reference(q, k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1), causal_mask(T_q, T_k))
-                expect(
-                    not torch.allclose(got, tiled, atol=1e-5, rtol=1e-4),
-                    f"{case}: query head i reads kv head i % n_kv_heads in your version; it must read kv head "
-                    "i // group_size (neighbouring query heads form a group): view q as "
-                    "(B, n_kv_heads, group_size, T_q, head_dim), not (B, group_size, n_kv_heads, ...)",
-                )
+                expect(not torch.allclose(got, tiled, atol=1e-5, rtol=1e-4),
+                       f"{case}: query head i reads kv head i % n_kv_heads in your version; it must read kv head "
+                       "i // group_size (neighbouring query heads form a group): view q as "
+                       "(B, n_kv_heads, group_size, T_q, head_dim), not (B, group_size, n_kv_heads, ...)")
             if T_q < T_k:
                 top_left = _reference(q, k, v, torch.ones(T_q, T_k, dtype=torch.bool).tril())
-                expect(
-                    not torch.allclose(got, top_left, atol=1e-5, rtol=1e-4),
-                    f"{case}: your causal mask is aligned top-left; the queries are the last T_q positions, so query i "
-                    "sits at T_k - T_q + i (use attnlib.attention.causal_mask(T_q, T_k))",
-                )
-            unmasked = _reference(q, k, v, None)
-            expect(
-                T_q == 1 or not torch.allclose(got, unmasked, atol=1e-5, rtol=1e-4),
-                f"{case}: no causal mask: query i must not see keys after position T_k - T_q + i",
-            )
+                expect(not torch.allclose(got, top_left, atol=1e-5, rtol=1e-4),
+                       f"{case}: your causal mask is aligned top-left; the queries are the last T_q positions, so "
+                       "query i sits at T_k - T_q + i (use attnlib.attention.causal_mask(T_q, T_k))")
+            expect(T_q == 1 or not torch.allclose(got, _reference(q, k, v, None), atol=1e-5, rtol=1e-4),
+                   f"{case}: no causal mask: query i must not see keys after position T_k - T_q + i")
             expect(not torch.allclose(got, _reference(q, k, v, causal_mask(T_q, T_k), 1.0), atol=1e-5, rtol=1e-4),
                    f"{case}: the scores are not scaled: divide q . k by sqrt(head_dim) before the softmax")
             expect_close(got, expected, f"{case}: your output")
 
     # A decoding step: one query per head over a long cache. A copy of K or V would be n_heads / n_kv_heads
     # times the cache; the scores and the output are far smaller than one such copy.
-    B, n_heads, n_kv, T_k, head_dim = 2, 8, 2, 256, 32
+    B, n_heads, n_kv, T_k, head_dim = 2, 8, 2, randint(g, 200, 300), 32
     q = torch.randn(B, n_heads, 1, head_dim, generator=g)
     k, v = torch.randn(2, B, n_kv, T_k, head_dim, generator=g)  # contiguous, as a KV cache stores them
     copy_bytes = B * n_heads * T_k * head_dim * k.element_size()  # K repeated to every query head
-    with torch.no_grad(), _AllocationLog() as log:
-        _call_own_attention(gqa_attention, q, k, v)
+    log = _AllocationLog()
+    with torch.no_grad():
+        run(gqa_attention, q, k, v, what="gqa_attention(a decoding step)", refuse=_OWN_ATTENTION, inside=(log,))
     total = sum(nbytes for _, nbytes in log.records)
     largest = ", ".join(f"{name} {nbytes:,} B" for name, nbytes in sorted(log.records, key=lambda r: -r[1])[:4])
     expect(
@@ -271,22 +265,20 @@ def _gqa_forward(x, w, b, out_w, out_b, n_heads, n_kv):
 @exercise("06.3")
 def check_pool_kv_heads(pool_kv_heads) -> None:
     """Check ``pool_kv_heads(mha, n_kv_heads)``: weights, biases and outputs of the pooled layer."""
-    g = torch.Generator().manual_seed(603)
-    for d_model, n_heads, n_kv in _POOL_CASES:
+    g = case_rng()
+    cases = list(_POOL_CASES)
+    for _ in range(2):  # fresh sizes each run
+        n_kv, group, head_dim = randint(g, 1, 4), randint(g, 2, 4), randint(g, 2, 6)
+        cases.append((n_kv * group * head_dim, n_kv * group, n_kv))
+    for d_model, n_heads, n_kv in cases:
         mha = _random_mha(d_model, n_heads, g)
-        before = {name: t.clone() for name, t in mha.state_dict().items()}
         case = f"(d_model={d_model}, n_heads={n_heads}, n_kv_heads={n_kv})"
         with torch.no_grad():
-            got = pool_kv_heads(mha, n_kv)
+            got = run(pool_kv_heads, mha, n_kv, what=f"pool_kv_heads{case}")
         if got is None:
             raise NotSolved("return the grouped-query layer, not None")
         expect(
-            all(torch.equal(t, before[name]) for name, t in mha.state_dict().items()),
-            f"{case}: your function changed the multi-head layer it was given; build a new "
-            "MultiHeadAttention and copy the pooled weights into it",
-        )
-        expect(
-            isinstance(got, MultiHeadAttention),
+            type(got) is MultiHeadAttention,
             f"{case}: return an attnlib MultiHeadAttention; got {type(got).__name__}",
         )
         expect(
