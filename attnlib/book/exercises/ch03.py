@@ -1,27 +1,31 @@
 """Exercise checks for chapter 03 (causal attention): masks and a leak detector.
 
-* 03.1 ``bottom_right_causal_mask(T_q, T_k)`` -> bool ``(T_q, T_k)``
+* 03.1 ``document_mask(doc_ids)`` -> bool ``(B, T, T)`` (packed documents: causal, within one
+  document, pads (id -1) in no document)
 * 03.2 ``batch_attention_mask(lengths, T)`` -> bool ``(B, T, T)`` (causal & right padding)
 * 03.3 ``sliding_window_mask(T, window)`` -> bool ``(T, T)`` (causal, at most ``window`` keys per query)
 * 03.4 ``leaks(model, T, vocab_size)`` -> bool (does a language model, token ids in and logits
   out, let a later token move an earlier output?)
 
-The graders draw their random inputs from a local ``torch.Generator``; ``grade`` runs
-them inside ``torch.random.fork_rng``, so checking an answer never changes the
-notebook's global random state.
+Every check runs the answer through :func:`~attnlib.book.exercises._run.run` on fixed edge cases and
+fresh random ones (:func:`~attnlib.book.exercises._core.case_rng`); the expected masks are built
+after the answer ran, from ``torch.arange`` comparisons. ``grade`` runs the checks inside
+``torch.random.fork_rng``, so checking an answer never changes the notebook's random state.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import create_mask
 
-from attnlib.attention import causal_mask, padding_mask
+from attnlib.attention import causal_mask, mods, padding_mask
+from attnlib.attention.masks import mask_from_mod
 from attnlib.attention.teaching import CausalAttention, SelfAttentionV2
-from attnlib.book.exercises._core import case_rng, exercise, expect, expect_close, randint
+from attnlib.book.exercises._core import case_rng, exercise, expect, expect_close, expect_tensor, randint
 from attnlib.book.exercises._run import Refuse, run
 
 __all__ = [
-    "check_bottom_right_causal_mask",
+    "check_document_mask",
     "check_batch_attention_mask",
     "check_sliding_window_mask",
     "check_leak_detector",
@@ -29,26 +33,78 @@ __all__ = [
 
 
 def _expect_bool_mask(mask: object, shape: tuple[int, ...], what: str) -> None:
-    expect(isinstance(mask, torch.Tensor), f"{what} should be a torch.Tensor, got {type(mask).__name__}")
+    expect_tensor(mask, what)
     expect(tuple(mask.shape) == shape, f"{what} has shape {tuple(mask.shape)}, expected {shape}")
     expect(mask.dtype == torch.bool, f"{what} has dtype {mask.dtype}; return a boolean mask (True = may attend)")
 
 
+def _causal(T: int) -> torch.Tensor:
+    return torch.arange(T)[None, :] <= torch.arange(T)[:, None]  # (T, T): key j <= query i
+
+
+# --------------------------------------------------------------------------- 03.1
+
+#: 03.1 is "build it yourself": the library's document mask and the mask builders are refused.
+_OWN_DOCUMENT_MASK = Refuse(
+    "build the document mask yourself from comparisons of doc_ids, not with attnlib's mods.document_mask, "
+    "mask_from_mod or FlexAttention's create_mask", mods.document_mask, mask_from_mod, create_mask)
+
+
+def _random_doc_ids(g: torch.Generator, B: int, T: int) -> list[list[int]]:
+    rows = []
+    for _ in range(B):
+        n_pad = randint(g, 0, T // 3)
+        row, doc = [], randint(g, 0, 3)
+        while len(row) < T - n_pad:
+            row += [doc] * min(randint(g, 1, 5), T - n_pad - len(row))
+            doc += randint(g, 1, 3)  # document ids are labels: increasing, not 0, 1, 2, ...
+        rows.append(row + [-1] * n_pad)
+    return rows
+
+
 @exercise("03.1")
-def check_bottom_right_causal_mask(fn) -> None:
-    """Check a ``(T_q, T_k)`` causal mask aligned to the bottom-right corner."""
-    for T_q, T_k in [(1, 1), (4, 4), (2, 6), (1, 5), (3, 8), (5, 7)]:
-        what = f"bottom_right_causal_mask({T_q}, {T_k})"
-        mask = fn(T_q, T_k)
-        _expect_bool_mask(mask, (T_q, T_k), what)
-        expected = causal_mask(T_q, T_k)
-        if T_q < T_k and torch.equal(mask, torch.ones(T_q, T_k, dtype=torch.bool).tril()):
-            expect(False, f"{what} is aligned to the top-left: the last query is the newest token and must see all "
-                          f"{T_k} keys; shift the diagonal by T_k - T_q")
-        expect(bool(mask[-1].all()), f"{what}: the last query (the newest token) must see every key")
-        expect(not bool((mask & ~expected).any()), f"{what} lets a query see a key after its own position "
-                                                   f"T_k - T_q + i")
-        expect_close(mask, expected, what)
+def check_document_mask(fn) -> None:
+    """Check a ``(B, T, T)`` mask for packed documents: causal, same document, pads in none."""
+    g = case_rng()
+    cases = [
+        [[0, 0, 0, 1, 1, 2, -1, -1]],
+        [[7, 7, 7, 7, 7], [0, 1, 2, 3, 4]],  # one document; every token its own document
+        [[-1, -1, -1], [3, 3, -1]],  # a row of pads only
+        [[0] * 20 + [1] * 21 + [-1] * 3],  # long documents
+    ]
+    for _ in range(3):
+        T = randint(g, 2, 14)
+        cases.append(_random_doc_ids(g, randint(g, 1, 4), T))
+    for rows in cases:
+        doc_ids = torch.tensor(rows)
+        B, T = doc_ids.shape
+        what = f"document_mask(torch.tensor({rows}))" if T <= 14 else f"document_mask(doc_ids of shape {(B, T)})"
+        mask = run(fn, doc_ids, what=what, refuse=_OWN_DOCUMENT_MASK)
+        _expect_bool_mask(mask, (B, T, T), what)
+        causal = _causal(T)
+        same = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, 1) == (B, 1, T) -> (B, T, T)
+        real = doc_ids != -1  # (B, T)
+        expected = causal & same & real[:, None, :] & real[:, :, None]
+        if torch.equal(mask, expected):
+            continue
+        expect(not bool((mask & ~causal).any()), f"{what} lets query i see a key j > i: the causal part is missing")
+        pad_pairs = ~(real[:, None, :] & real[:, :, None])
+        expect(not bool((mask & pad_pairs).any()),
+               f"{what} lets a pad see a pad: the pads share the id -1 but are no document; a pad query sees "
+               "nothing and no query sees a pad key")
+        if B > 1 and any(rows[b] != rows[0] for b in range(B)):
+            first_row = causal & (doc_ids[:1, :, None] == doc_ids[:1, None, :]) & real[:1, None, :] & real[:1, :, None]
+            expect(not torch.equal(mask, first_row.expand(B, T, T)),
+                   f"{what} gives every row of the batch the mask of row 0; row b's mask compares row b's ids")
+        if bool((mask & ~same).any()):
+            expect(not torch.equal(mask, causal & real[:, None, :] & real[:, :, None]),
+                   f"{what} ignores the documents: a query may only see keys of its own document")
+            expect(False, f"{what} lets a query see a key of another document (check the document boundaries)")
+        expect(False, f"{what}: a query must see every earlier key of its own document, itself included; your mask "
+                      f"hides {int((expected & ~mask).sum())} of them")
+
+
+# --------------------------------------------------------------------------- 03.2
 
 
 #: 03.2 is "build the mask yourself": attnlib's mask helpers are refused wherever they are reached from.
@@ -85,23 +141,37 @@ def check_batch_attention_mask(fn) -> None:
                       f"{int((expected & ~mask).sum())} of them")
 
 
+#: 03.3: the library's sliding-window mask function is the whole answer, so it is refused.
+_OWN_WINDOW = Refuse("build the window mask yourself from comparisons or torch.tril, not with attnlib's "
+                     "mods.sliding_window or mask_from_mod", mods.sliding_window, mask_from_mod, create_mask)
+
+
 @exercise("03.3")
 def check_sliding_window_mask(fn) -> None:
     """Check a causal mask in which each query sees at most ``window`` keys, itself included."""
-    for T, window in [(6, 3), (6, 1), (6, 6), (5, 10), (1, 1), (9, 4)]:
+    g = case_rng()
+    # fixed edges: window 1 (the diagonal), window = T and > T (the causal mask), one token, a long sequence
+    cases = [(6, 3), (6, 1), (6, 6), (5, 10), (1, 1), (40, 17)]
+    for _ in range(3):
+        T = randint(g, 2, 16)
+        cases.append((T, randint(g, 1, T + 2)))
+    for T, window in cases:
         what = f"sliding_window_mask({T}, {window})"
-        mask = fn(T, window)
+        mask = run(fn, T, window, what=what, refuse=_OWN_WINDOW)
         _expect_bool_mask(mask, (T, T), what)
-        i = torch.arange(T)[:, None]
-        j = torch.arange(T)[None, :]
+        i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
         expected = (j <= i) & (i - j < window)
-        expect(not bool((mask & ~causal_mask(T)).any()), f"{what} lets query i see a key j > i: keep it causal")
-        counts = mask.sum(-1)
-        want = expected.sum(-1)
+        if torch.equal(mask, expected):
+            continue
+        expect(not bool((mask & ~(j <= i)).any()), f"{what} lets query i see a key j > i: keep it causal")
+        counts, want = mask.sum(-1), expected.sum(-1)
         if not torch.equal(counts, want):
             expect(False, f"{what}: row i should have min(i + 1, window) True entries, i.e. {want.tolist()}; "
                           f"got {counts.tolist()} (the window counts the query's own position)")
         expect_close(mask, expected, what)
+
+
+# --------------------------------------------------------------------------- 03.4
 
 
 class _LeakTokenEverywhere(nn.Module):
@@ -167,11 +237,49 @@ class _TinyLM(nn.Module):
         return self.readout(self.layer(self.embed(ids)))  # (B, T) -> (B, T, vocab_size)
 
 
+class _Spy(nn.Module):
+    """Hands every batch of token ids on to ``model`` and keeps a copy (to check how the future was redrawn)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(ids, torch.Tensor):
+            self.seen.append(ids.detach().clone())
+        return self.model(ids)
+
+
+def _gap(changed: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether some row of ``changed`` differs from ``base`` at two positions but not at one between them."""
+    for row in changed.ne(base):  # (T,) per row
+        where = row.nonzero().flatten()
+        if len(where) > 1 and not bool(row[int(where[0]) : int(where[-1]) + 1].all()):
+            return True
+    return False
+
+
+def _kept_some_future_token(seen: list[torch.Tensor]) -> bool:
+    """A call whose redrawn future left a token unchanged, measured against every earlier call."""
+    for n, ids in enumerate(seen):
+        earlier = [e for e in seen[:n] if e.shape == ids.shape and e.dtype == ids.dtype]
+        if earlier and all(_gap(ids, e) for e in earlier):
+            return True
+    return False
+
+
+_SAME_TOKEN_HINT = ("make sure each new token differs from the old one: with a small vocabulary a random redraw "
+                    "often gives back the same token, and a leak from that position goes unseen (add a random "
+                    "shift in [1, vocab_size) modulo vocab_size)")
+
+
 @exercise("03.4")
 def check_leak_detector(fn) -> None:
     """Check a leak detector for language models (token ids in, logits out)."""
-    T, vocab_size, d_model, head_dim = 7, 5, 8, 4
-    torch.manual_seed(30)
+    g = case_rng()
+    T, vocab_size, d_model, head_dim = randint(g, 6, 9), 5, 8, 4
+    torch.manual_seed(randint(g, 0, 2**31))  # the models' weights (grade() forks the RNG: the notebook's is kept)
 
     def lm(layer: nn.Module) -> _TinyLM:
         return _TinyLM(vocab_size, d_model, layer, head_dim)
@@ -179,6 +287,7 @@ def check_leak_detector(fn) -> None:
     def causal_head(dropout: float = 0.0) -> CausalAttention:
         return CausalAttention(d_model, head_dim, block_size=16, dropout=dropout)
 
+    peek = randint(g, 1, T - 2)
     models = [
         ("a causal model", lm(causal_head()), False,
          "a causal model was reported as leaking: compare only the outputs at positions <= t "
@@ -192,24 +301,21 @@ def check_leak_detector(fn) -> None:
          "a model that sees everything was reported as causal"),
         ("a causal model plus 1e-4 times the last input", lm(_LeakTokenEverywhere(causal_head(), 1e-4)),
          True, "a leak of size 1e-4 went unnoticed: use a tight tolerance (1e-6), not a loose allclose"),
-        ("a model whose output 3 also reads token 4", lm(_PeekOneAhead(causal_head(), position=3)), True,
-         "a leak from position 4 into position 3 only went unnoticed: try every t, change the tokens "
-         "after t and compare the outputs up to t; and make sure each new token differs from the "
-         "old one (with a small vocabulary a random redraw often gives back the same token)"),
+        (f"a model whose output {peek} also reads token {peek + 1}", lm(_PeekOneAhead(causal_head(), peek)), True,
+         f"a leak from position {peek + 1} into position {peek} only went unnoticed: try every t, change the "
+         f"tokens after t and compare the outputs up to t; and {_SAME_TOKEN_HINT}"),
     ]
-    # The learner's detector probably draws from the global generator: seed it so the verdict is
-    # reproducible (grade() forks the RNG, so the notebook's random state is untouched).
-    torch.manual_seed(31)
+    torch.manual_seed(randint(g, 0, 2**31))  # a detector that draws from the global generator: fresh, reproducible
     for name, model, should_leak, hint in models:
-        was_training = model.training
-        answer = fn(model, T, vocab_size)
-        expect(
-            isinstance(answer, bool) or (isinstance(answer, torch.Tensor) and answer.numel() == 1),
-            f"leaks(...) should return True or False, got {type(answer).__name__}",
-        )
-        expect(bool(answer) == should_leak, f"on {name}: {hint}")
-        expect(
-            model.training == was_training,
-            f"on {name}: leaks() left the model in {'training' if model.training else 'evaluation'} "
-            "mode; restore the mode it had (module.train(was_training))",
-        )
+        spy = _Spy(model).train(model.training)
+        was_training = spy.training
+        answer = run(fn, spy, T, vocab_size, what=f"leaks(model, {T}, {vocab_size}) on {name}", copy_args=False)
+        expect(type(answer) is bool,
+               f"leaks(...) should return True or False (a Python bool), got {type(answer).__name__}"
+               + (": use bool(...) or .item() on a one-element tensor" if isinstance(answer, torch.Tensor) else ""))
+        if answer != should_leak or not should_leak:
+            expect(not _kept_some_future_token(spy.seen), f"on {name}: {_SAME_TOKEN_HINT}")
+        expect(answer == should_leak, f"on {name}: {hint}")
+        expect(spy.training == was_training,
+               f"on {name}: leaks() left the model in {'training' if spy.training else 'evaluation'} "
+               "mode; restore the mode it had (module.train(was_training))")
