@@ -67,7 +67,7 @@ class Refuse:
         func = inspect.unwrap(getattr(target, "__func__", target))
         if isinstance(func, types.FunctionType):
             self.codes[func.__code__] = label
-        else:  # a builtin: torch's C functions reach a TorchFunctionMode
+        else:  # a builtin: torch's reach a TorchFunctionMode, any other the profile hook's "c_call"
             self.torch_functions[func] = label
 
     def __add__(self, other: Refuse) -> Refuse:
@@ -110,8 +110,15 @@ class _WatchAten(TorchDispatchMode):
 
 def _profile(refuse: Refuse, calls: list[str]) -> Callable:
     def hook(frame, event, arg):
-        if event == "call" and frame.f_code in refuse.codes:
-            label = refuse.codes[frame.f_code]
+        label = None
+        if event == "call":
+            label = refuse.codes.get(frame.f_code)
+        elif event == "c_call":  # a C function that is no torch function (autograd's engine, say)
+            try:
+                label = refuse.torch_functions.get(arg)
+            except TypeError:  # unhashable
+                label = None
+        if label is not None:
             calls.append(label)
             raise Wrong(f"{refuse.why}: your code called {label}")
     return hook
@@ -227,7 +234,7 @@ def run(fn: Any, *args: Any, what: str, refuse: Refuse | None = None, mutable: I
                 stack.enter_context(_Watch(refuse, calls))
                 if refuse.aten:
                     stack.enter_context(_WatchAten(refuse, calls))
-                if refuse.codes:
+                if refuse.codes or refuse.torch_functions:
                     sys.setprofile(_profile(refuse, calls))
             try:
                 result["value"] = fn(*given, **kwargs)
