@@ -5,8 +5,22 @@ import math
 
 import torch
 
-from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect
+from attnlib.book.exercises._core import NotSolved, Wrong, case_rng, exercise, expect
+from attnlib.book.exercises._run import Refuse, run
 from attnlib.models import GPT, GPTConfig
+
+
+def _own_init() -> Refuse:
+    """14.5 is "write the initialisation yourself": the library's and transformers' initialisers are refused."""
+    targets = [GPT.reset_parameters]
+    try:  # transformers is the book's dependency, imported only when a check needs it
+        from transformers import GPT2PreTrainedModel
+
+        targets.append(GPT2PreTrainedModel._init_weights)
+    except ImportError:
+        pass
+    return Refuse("do not call GPT.reset_parameters or transformers' _init_weights: write the initialisation "
+                  "yourself", *targets)
 
 #: Two models of different depth, so that the residual scale 1/sqrt(2 n_layers) must be computed.
 _INIT_CONFIGS = (
@@ -43,15 +57,8 @@ def _check_init_on(gpt2_init_, config: GPTConfig, g: torch.Generator) -> None:
     before = {name: p for name, p in model.named_parameters()}
     case = f"a GPT with n_layers={config.n_layers}, d_model={config.d_model}"
 
-    def refuse(*args, **kwargs):
-        raise Wrong("do not call GPT.reset_parameters: write the initialisation yourself")
-
-    original = GPT.reset_parameters
-    GPT.reset_parameters = refuse
-    try:
-        result = gpt2_init_(model)
-    finally:
-        GPT.reset_parameters = original
+    result = run(gpt2_init_, model, what=f"gpt2_init_(model) on {case}", refuse=_own_init(), mutable=(0,),
+                 copy_args=False)
     if result is not None and result is not model:
         raise Wrong(f"{case}: change the model in place (return None or the model itself), "
                     f"not a new {type(result).__name__}")
@@ -118,6 +125,6 @@ def _check_init_on(gpt2_init_, config: GPTConfig, g: torch.Generator) -> None:
 @exercise("14.5")
 def check_gpt2_init(gpt2_init_) -> None:
     """Check ``gpt2_init_(model)``: GPT-2's initialisation (Radford et al. 2019, §2.3), in place."""
-    g = torch.Generator().manual_seed(1405)
+    g = case_rng()
     for config in _INIT_CONFIGS:
         _check_init_on(gpt2_init_, config, g)

@@ -3,10 +3,11 @@
 * 14.1 ``check_copy_head``: ``copy_head(src, dst)`` copies one attention head into another,
   between :class:`attnlib.SelfAttentionV1` (``nn.Parameter``) and :class:`attnlib.SelfAttentionV2`
   (``nn.Linear``) in either direction, so that ``dst(x) == src(x)`` and ``dst`` owns its weights.
-* 14.2 ``check_wrapper_with_width``: ``wrapper_with_width(d_model, block_size, n_heads, d_out)``
-  returns an unchanged :class:`attnlib.MultiHeadAttentionWrapper` whose output is ``d_out`` wide.
-* 14.3 ``check_gpt2_attention``: ``gpt2_attention(qkv_bias)`` returns a GPT-2-sized
-  :class:`attnlib.MultiHeadAttention` with 2,362,368 (``qkv_bias=True``) or 2,360,064 parameters.
+* 14.2 ``check_can_win``: ``can_win(k)`` says which keys ``(T, 2)`` a head of width 2 can ever
+  prefer: the corners of their convex hull (the chapter's width-1 argument, one dimension up).
+* 14.3 ``check_count_parameters``: ``count_parameters(config)``, the parameters of
+  :class:`attnlib.GPT` for GPT-2's layout at other sizes, GQA, ``d_ff``, no biases, an untied head
+  or RoPE, counted from the sizes without building a model.
 * 14.4 ``check_hf_key``: ``hf_key(name, tensor)`` maps one entry of a Hugging Face GPT-2
   state dict to attnlib's name and layout (``None`` for what is not a weight).
 * 14.5 ``check_gpt2_init``: ``gpt2_init_(model)`` initialises an :class:`attnlib.GPT` in place as
@@ -14,27 +15,28 @@
   N(0, 0.02) weights, the residual projections N(0, 0.02 / sqrt(2 n_layers)), zero biases,
   LayerNorms the identity; checked by the statistics of every tensor on two depths.
 
-Every grader draws its test weights from a local ``torch.Generator``; ``grade`` runs it
-inside ``torch.random.fork_rng``, so checking an answer never moves the notebook's global
-random state.
+Every check calls the answer through :func:`~attnlib.book.exercises._run.run` and draws fresh
+cases from :func:`~attnlib.book.exercises._core.case_rng` besides its fixed ones; ``grade`` runs it
+inside ``torch.random.fork_rng``, so checking an answer never moves the notebook's global random
+state.
 """
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from attnlib.attention import MultiHeadAttention, MultiHeadAttentionWrapper, SelfAttentionV1, SelfAttentionV2
-from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect, expect_close
-from attnlib.models import GPT, GPTConfig
+from attnlib.attention import SelfAttentionV1, SelfAttentionV2
+from attnlib.book.exercises._core import NotSolved, Wrong, case_rng, exercise, expect, expect_close, randint
+from attnlib.book.exercises._run import Refuse, run
+from attnlib.models import GPT, GPTConfig, from_hf_gpt2
 from attnlib.models.hf_gpt2 import hf_gpt2_key_map
 
 __all__ = [
     "check_copy_head",
-    "check_wrapper_with_width",
-    "check_gpt2_attention",
+    "check_can_win",
+    "check_count_parameters",
     "check_hf_key",
     "check_gpt2_init",
 ]
@@ -114,18 +116,16 @@ def _name_the_mistake(src: nn.Module, dst: nn.Module, case: str) -> None:
 @exercise("14.1")
 def check_copy_head(copy_head) -> None:
     """Check ``copy_head(src, dst)`` between SelfAttentionV1 and SelfAttentionV2, both ways, on square and non-square heads."""
-    g = torch.Generator().manual_seed(1401)
-    for src_kind, dst_kind, d_model, head_dim in _COPY_CASES:
+    g = case_rng()
+    fresh = [(kinds[0], kinds[1], randint(g, 2, 9), randint(g, 1, 9))
+             for kinds in ((SelfAttentionV2, SelfAttentionV1), (SelfAttentionV1, SelfAttentionV2))]
+    for src_kind, dst_kind, d_model, head_dim in _COPY_CASES + fresh:
         src = _random_head(src_kind, d_model, head_dim, g)
         dst = _random_head(dst_kind, d_model, head_dim, g)
         case = f"{src_kind.__name__} -> {dst_kind.__name__} (d_model={d_model}, head_dim={head_dim})"
-        src_before = {k: v.clone() for k, v in src.state_dict().items()}
         dst_before = {k: v.clone() for k, v in dst.state_dict().items()}
-
-        copy_head(src, dst)
-
-        expect(all(torch.equal(v, src_before[k]) for k, v in src.state_dict().items()),
-               f"{case}: your function changed src; copy from it, leave it as it was")
+        # the very heads, so that a copy that shares src's memory shows (run() compares src before and after)
+        run(copy_head, src, dst, what=f"copy_head(src, dst) for {case}", mutable=(1,), copy_args=False)
         if all(k in dst_before and torch.equal(v, dst_before[k]) for k, v in dst.state_dict().items()):
             raise NotSolved("dst still has its own weights: copy src's weights into dst")
         _check_layout(dst, d_model, head_dim, case)
@@ -147,101 +147,18 @@ def check_copy_head(copy_head) -> None:
                    "torch.no_grad())")
 
 
-# ---------------------------------------------------------------- 14.2
-
-_WIDTH_CASES = [  # (d_model, block_size, n_heads, d_out): exercise 3.2 first
-    (3, 6, 2, 2),
-    (8, 5, 4, 4),
-    (6, 7, 3, 6),
-    (5, 4, 2, 6),
-]
-
-
-@exercise("14.2")
-def check_wrapper_with_width(wrapper_with_width) -> None:
-    """Check ``wrapper_with_width(d_model, block_size, n_heads, d_out)``: a plain wrapper whose output is ``d_out`` wide."""
-    g = torch.Generator().manual_seed(1402)
-    for d_model, block_size, n_heads, d_out in _WIDTH_CASES:
-        case = f"wrapper_with_width(d_model={d_model}, block_size={block_size}, n_heads={n_heads}, d_out={d_out})"
-        wrapper = wrapper_with_width(d_model, block_size, n_heads, d_out)
-        if wrapper is None:
-            raise NotSolved("return an attnlib.MultiHeadAttentionWrapper, not None")
-        expect(type(wrapper) is MultiHeadAttentionWrapper,
-               f"{case}: return an attnlib.MultiHeadAttentionWrapper itself (the exercise keeps the class as it "
-               f"is); got {type(wrapper).__name__}")
-        expect(len(wrapper.heads) == n_heads, f"{case}: the wrapper has {len(wrapper.heads)} head(s), not {n_heads}")
-        widths = [head.head_dim for head in wrapper.heads]
-        expect(sum(widths) == d_out,
-               f"{case}: the heads are {widths} wide, so the output has {sum(widths)} features, not {d_out}. The "
-               "wrapper concatenates n_heads outputs of head_dim features each: choose head_dim = d_out // n_heads")
-        expect(all(head.d_model == d_model for head in wrapper.heads),
-               f"{case}: every head must read d_model={d_model} features")
-        expect(all(head.block_size == block_size for head in wrapper.heads),
-               f"{case}: build the heads with block_size={block_size}")
-        x = torch.randn(2, block_size, d_model, generator=g)
-        with torch.no_grad():
-            out = wrapper.eval()(x)
-        expect(tuple(out.shape) == (2, block_size, d_out),
-               f"{case}: the output has shape {tuple(out.shape)}, expected {(2, block_size, d_out)}")
-
-    d_model, block_size, n_heads, d_out = 4, 6, 2, 3
-    try:
-        wrapper = wrapper_with_width(d_model, block_size, n_heads, d_out)
-    except ValueError:
-        return
-    width = sum(head.head_dim for head in wrapper.heads) if isinstance(wrapper, MultiHeadAttentionWrapper) else "?"
-    raise Wrong(f"wrapper_with_width(n_heads={n_heads}, d_out={d_out}) returned a module {width} wide: {d_out} "
-                f"features cannot be split into {n_heads} heads of equal width; raise a ValueError naming both numbers")
-
-
-# ---------------------------------------------------------------- 14.3
-
-_GPT2 = dict(d_model=768, n_heads=12, block_size=1024)
-_GPT2_COUNTS = {True: 4 * 768**2 + 4 * 768, False: 4 * 768**2 + 768}  # 2,362,368 and 2,360,064
-
-
-@exercise("14.3")
-def check_gpt2_attention(gpt2_attention) -> None:
-    """Check ``gpt2_attention(qkv_bias)``: GPT-2 small's attention layer, with or without the q/k/v biases."""
-    g = torch.Generator().manual_seed(1403)
-    for qkv_bias in (True, False):
-        case = f"gpt2_attention(qkv_bias={qkv_bias})"
-        module = gpt2_attention(qkv_bias)
-        if module is None:
-            raise NotSolved("return an attnlib.MultiHeadAttention, not None")
-        expect(isinstance(module, MultiHeadAttention),
-               f"{case}: return an attnlib.MultiHeadAttention; got {type(module).__name__}")
-        for name, value in _GPT2.items():
-            got = getattr(module, name)
-            expect(got == value, f"{case}: {name}={got}; GPT-2 small has {name}={value}")
-        expect(module.causal, f"{case}: GPT-2's attention is causal (causal=True)")
-        expect(isinstance(module.qkv, nn.Linear) and (module.qkv.in_features, module.qkv.out_features) == (768, 2304),
-               f"{case}: qkv must be an nn.Linear(768, 2304): queries, keys and values of 12 heads of 64")
-        expect(module.out_proj.bias is not None,
-               f"{case}: out_proj has no bias. bias=False removes every bias; GPT-2 (and the source) keep the "
-               "output projection's bias: build the module with biases, then replace .qkv")
-        expect((module.qkv.bias is not None) == qkv_bias,
-               f"{case}: qkv {'has' if module.qkv.bias is not None else 'has no'} bias; it should "
-               f"{'have one' if qkv_bias else 'have none (replace .qkv with nn.Linear(768, 2304, bias=False))'}")
-        n = sum(p.numel() for p in module.parameters())
-        expect(n == _GPT2_COUNTS[qkv_bias], f"{case}: {n:,} parameters, expected {_GPT2_COUNTS[qkv_bias]:,}")
-
-        x = torch.randn(1, 5, 768, generator=g)
-        with torch.no_grad():
-            q, k, v = (t.view(1, 5, 12, 64).transpose(1, 2) for t in module.qkv(x).split(768, dim=-1))  # 3 x (1, 12, 5, 64)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (1, 12, 5, 64)
-            expected = module.out_proj(y.transpose(1, 2).reshape(1, 5, 768))  # -> (1, 5, 768)
-            expect_close(module.eval()(x), expected, f"{case}: module(x) (compared with causal attention by hand)")
-
+# ---------------------------------------------------------------- 14.2, 14.3
+# In a module of their own (no module over 350 lines); importing it registers them.
+from attnlib.book.exercises._ch14_count import check_can_win, check_count_parameters  # noqa: E402
 
 # ---------------------------------------------------------------- 14.4
 
 _HF_CONFIG = GPTConfig(vocab_size=17, block_size=10, n_layers=2, n_heads=3, d_model=12, gelu_approximate="tanh")
 
 
-def _reference_model(g: torch.Generator) -> GPT:
+def _reference_model(g: torch.Generator, config: GPTConfig) -> GPT:
     """A small attnlib GPT-2 with every weight (biases and LayerNorms too) random, from ``g``."""
-    model = GPT(_HF_CONFIG).eval()
+    model = GPT(config).eval()
     with torch.no_grad():  # GPT-2's init leaves biases at 0 and LayerNorms at 1: a lost one would go unnoticed
         for name, p in model.named_parameters():
             p.copy_(torch.randn(p.shape, generator=g) * (1.0 if "ln_" in name else 0.3))
@@ -250,27 +167,34 @@ def _reference_model(g: torch.Generator) -> GPT:
 
 def _hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """``model``'s weights in a Hugging Face GPT-2 checkpoint's names and layout, with its non-weight entries."""
-    ours = model.state_dict()
+    ours, config = model.state_dict(), model.config
     state = {}
-    for name, (theirs, transpose) in hf_gpt2_key_map(_HF_CONFIG.n_layers).items():
+    for name, (theirs, transpose) in hf_gpt2_key_map(config.n_layers).items():
         state[theirs] = (ours[name].t() if transpose else ours[name]).clone().contiguous()
-    T = _HF_CONFIG.block_size
-    for i in range(_HF_CONFIG.n_layers):  # the causal-mask buffers that OpenAI's converted checkpoint carries
+    T = config.block_size
+    for i in range(config.n_layers):  # the causal-mask buffers that OpenAI's converted checkpoint carries
         state[f"transformer.h.{i}.attn.bias"] = torch.ones(T, T).tril().view(1, 1, T, T)
         state[f"transformer.h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
     state["lm_head.weight"] = state["transformer.wte.weight"].clone()  # the tied output head
     return state
 
 
+#: 14.4 asks for the renaming rules written out: the library's key map and loader are refused
+_OWN_RULES = Refuse("write the renaming rules yourself, not with hf_gpt2_key_map or from_hf_gpt2",
+                    hf_gpt2_key_map, from_hf_gpt2)
+
+
 @exercise("14.4")
 def check_hf_key(hf_key) -> None:
     """Check ``hf_key(name, tensor)`` on every entry of a small GPT-2 checkpoint, then load the result and compare logits."""
-    g = torch.Generator().manual_seed(1404)
-    model = _reference_model(g)
+    g = case_rng()
+    config = _HF_CONFIG.replace(n_layers=randint(g, 1, 3))  # fresh depth and weights each run
+    model = _reference_model(g, config)
     ours = model.state_dict()
-    expected = {theirs: (name, transpose) for name, (theirs, transpose) in hf_gpt2_key_map(_HF_CONFIG.n_layers).items()}
     state = _hf_state_dict(model)
-    answers = {hf_name: hf_key(hf_name, tensor.clone()) for hf_name, tensor in state.items()}
+    answers = {hf_name: run(hf_key, hf_name, tensor, what=f"hf_key({hf_name!r}, ...)", refuse=_OWN_RULES)
+               for hf_name, tensor in state.items()}
+    expected = {theirs: (name, transpose) for name, (theirs, transpose) in hf_gpt2_key_map(config.n_layers).items()}
     if all(a is None for a in answers.values()):
         raise NotSolved("return (attnlib_name, tensor) for every weight; None only for what is not a weight")
 
@@ -282,8 +206,8 @@ def check_hf_key(hf_key) -> None:
             continue
         if hf_name == "lm_head.weight" and answer is None:
             continue  # tied to the token embedding: skipping it is right
-        expect(isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], str)
-               and isinstance(answer[1], torch.Tensor),
+        expect(type(answer) is tuple and len(answer) == 2 and type(answer[0]) is str
+               and type(answer[1]) in (torch.Tensor, nn.Parameter),
                f"hf_key({hf_name!r}, ...) returned {type(answer).__name__}; return a pair (attnlib_name, tensor)")
         name, tensor = answer
         want_name, transpose = ("lm_head.weight", False) if hf_name == "lm_head.weight" else expected[hf_name]
@@ -306,9 +230,9 @@ def check_hf_key(hf_key) -> None:
     missing = sorted(set(ours) - set(loaded) - {"lm_head.weight"})
     expect(not missing, f"no entry produced attnlib's {missing[:3]}")
     loaded.setdefault("lm_head.weight", loaded["tok_emb.weight"])
-    rebuilt = GPT(_HF_CONFIG).eval()
+    rebuilt = GPT(config).eval()
     rebuilt.load_state_dict(loaded)
-    idx = torch.randint(0, _HF_CONFIG.vocab_size, (2, _HF_CONFIG.block_size), generator=g)
+    idx = torch.randint(0, config.vocab_size, (2, config.block_size), generator=g)
     with torch.no_grad():
         expect_close(rebuilt(idx)[0], model(idx)[0], "the logits of a GPT loaded with your mapping")
 
