@@ -196,7 +196,8 @@ def _learner_line(error: BaseException, answer: Any) -> str:
 
 
 def run(fn: Any, *args: Any, what: str, refuse: Refuse | None = None, mutable: Iterable[int] = (),
-        inside: Iterable[contextlib.AbstractContextManager] = (), copy_args: bool = True, **kwargs: Any) -> Any:
+        inside: Iterable[contextlib.AbstractContextManager] = (), copy_args: bool = True, learner: Any = None,
+        **kwargs: Any) -> Any:
     """Call the learner's ``fn(*args, **kwargs)`` as a check must; return what it returned.
 
     Args:
@@ -207,6 +208,8 @@ def run(fn: Any, *args: Any, what: str, refuse: Refuse | None = None, mutable: I
         inside: context managers entered around the call in the answer's thread (a memory tracker);
             torch's modes are per thread.
         copy_args: pass deep copies of the arguments (the check keeps its own); ``False`` passes them as they are.
+        learner: the learner's answer when ``fn`` is the check's own wrapper around it (whose code an
+            exception must come from to be the learner's); ``fn`` by default.
 
     Raises:
         Wrong: the signature does not take these arguments, the answer raised, changed an argument in
@@ -259,11 +262,12 @@ def run(fn: Any, *args: Any, what: str, refuse: Refuse | None = None, mutable: I
             raise error
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise error
-        if not _raised_by_learner(error, fn):
+        blamed = fn if learner is None else learner
+        if not _raised_by_learner(error, blamed):
             raise error  # the check's own failure (grade reports a checker error)
         if isinstance(error, NotImplementedError):
             raise NotSolved(str(error) or "the stub still raises NotImplementedError")
-        raise Wrong(f"{what}: your code raised {type(error).__name__}: {error}{_learner_line(error, fn)}") from None
+        raise Wrong(f"{what}: your code raised {type(error).__name__}: {error}{_learner_line(error, blamed)}") from None
     for i, (old, new) in enumerate(zip(before, given)):
         if _changed(old, new):
             raise Wrong(f"{what}: your code changed its argument {_arg_name(fn, i)} in place; leave the "
