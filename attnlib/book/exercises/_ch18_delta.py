@@ -11,14 +11,34 @@ Qwen3-Next references are refused; an answer that updates the state token by tok
 """
 from __future__ import annotations
 
+# torch._dynamo: entering a TorchDispatchMode imports it, and it rewraps torch.manual_seed; imported
+# here, before run() takes its snapshot of torch's functions, so that is not blamed on the answer
 import torch
+import torch._dynamo  # noqa: F401
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import attnlib.attention.deltanet as deltanet
 from attnlib.book.exercises._core import NotSolved, case_rng, exercise, expect, expect_tensor, randint
 from attnlib.book.exercises._run import Refuse, run
 
-__all__ = ["check_gated_delta_chunked"]
+__all__ = ["StateOps", "check_gated_delta_chunked"]
+
+
+class StateOps(TorchDispatchMode):
+    """Counts the operations whose result has a state's shape ``(..., d_k, d_v)`` (either order)."""
+
+    def __init__(self, d_k: int, d_v: int) -> None:
+        super().__init__()
+        self.shapes, self.count = {(d_k, d_v), (d_v, d_k)}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[-2:]) in self.shapes
+               for t in tree_leaves(out)):
+            self.count += 1
+        return out
 
 
 def _refused() -> Refuse:
@@ -58,8 +78,6 @@ def _cases(g: torch.Generator) -> list[tuple]:
 @exercise("18.4")
 def check_gated_delta_chunked(gated_delta_chunked) -> None:
     """Check ``gated_delta_chunked(q, k, v, beta, g, initial_state, chunk_size) -> (output, state)``."""
-    from attnlib.book.exercises.ch18 import StateOps
-
     rng, refuse = case_rng(), _refused()
     for B, h, T, d_k, d_v, C, (lo, hi), start in _cases(rng):
         q = torch.randn(B, h, T, d_k, generator=rng, dtype=torch.float64)

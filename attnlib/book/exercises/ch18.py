@@ -22,14 +22,10 @@ cases come from :func:`attnlib.book.exercises._core.case_rng`.
 """
 from __future__ import annotations
 
-# torch._dynamo: entering a TorchDispatchMode imports it, and it rewraps torch.manual_seed; imported
-# here, before run() takes its snapshot of torch's functions, so that is not blamed on the answer
 import torch
-import torch._dynamo  # noqa: F401
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from attnlib.attention import TopKAttention, topk_attention, topk_mask
+from attnlib.book.exercises._ch18_delta import StateOps, check_gated_delta_chunked  # (registers 18.4)
 from attnlib.book.exercises._core import (
     NotSolved,
     Wrong,
@@ -44,21 +40,6 @@ from attnlib.book.exercises._run import Refuse, run
 
 __all__ = ["check_break_even_length", "check_gated_delta_chunked", "check_retention_chunked",
            "check_sparse_decode_step"]
-
-
-class StateOps(TorchDispatchMode):
-    """Counts the operations whose result has a state's shape ``(..., d_k, d_v)`` (either order)."""
-
-    def __init__(self, d_k: int, d_v: int) -> None:
-        super().__init__()
-        self.shapes, self.count = {(d_k, d_v), (d_v, d_k)}, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if any(isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[-2:]) in self.shapes
-               for t in tree_leaves(out)):
-            self.count += 1
-        return out
 
 
 # ---------------------------------------------------------------- 18.1
@@ -270,6 +251,3 @@ def check_break_even_length(break_even_length) -> None:
                f"{case}: at T={got - 1} the cache ({per_token * (got - 1)}) already exceeds the state ({state}): "
                "the first T, not a later one")
         expect(False, f"{case}: the smallest T with 2 x n_kv_heads x kv_head_dim x T > n_heads x head_dim^2")
-
-
-from attnlib.book.exercises._ch18_delta import check_gated_delta_chunked  # noqa: E402  (registers 18.4)
