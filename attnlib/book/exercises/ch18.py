@@ -3,26 +3,43 @@
 * 18.1 ``check_retention_chunked``: ``retention_chunked(q, k, v, gamma, chunk_size)``, the chunked
   form of linear attention with a constant decay (RetNet's retention, Sun et al. 2023):
   ``S_t = γ S_{t-1} + k_t v_tᵀ``, ``o_t = S_tᵀ q_t``, checked against the token-by-token recurrence
-  for several lengths, chunk sizes and decays (to float32 rounding); a wrong answer is probed for
-  reading the future; an answer that loops over tokens is refused by counting its tensor operations.
+  on fixed and fresh random sizes (to float32 rounding); a wrong answer is probed for reading the
+  future; an answer that updates the state token by token is refused (its state-shaped operations
+  are counted).
 * 18.2 ``check_sparse_decode_step``: ``sparse_decode_step(q, K, V, index_scores, top_k)``, one
   decoding step of top-k attention whose keys are chosen by an indexer's scores (as DeepSeek's
-  DSA), checked against dense attention over the chosen keys; a wrong answer's weights are read
-  back (one-hot values) to say how many and which keys it used, their sum and their scale.
+  DSA), checked against dense attention over the chosen keys; attnlib's ``topk_attention`` is
+  refused; a wrong answer's weights are read back (one-hot values) to say how many and which keys
+  it used, their sum and their scale.
 * 18.3 ``check_break_even_length``: ``break_even_length(n_heads, head_dim, n_kv_heads, kv_head_dim)``,
   the shortest sequence whose KV cache (one layer, K and V of ``n_kv_heads`` heads) holds more
-  numbers than a gated DeltaNet state (``n_heads · head_dim²``); checked exactly.
+  numbers than a gated DeltaNet state (``n_heads · head_dim²``); checked exactly, a Python int.
+* 18.4 ``check_gated_delta_chunked`` (in :mod:`._ch18_delta`): the chunked gated delta rule from
+  a given state, ``(output, final state)``.
 
-Random inputs come from a local ``torch.Generator``.
+Every call of the learner's code goes through :func:`attnlib.book.exercises._run.run`; the random
+cases come from :func:`attnlib.book.exercises._core.case_rng`.
 """
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from attnlib.book.exercises._core import NotSolved, Wrong, exercise, expect
+from attnlib.attention import TopKAttention, topk_attention, topk_mask
+from attnlib.book.exercises._ch18_delta import StateOps, check_gated_delta_chunked  # (registers 18.4)
+from attnlib.book.exercises._core import (
+    NotSolved,
+    Wrong,
+    case_rng,
+    exercise,
+    expect,
+    expect_int,
+    expect_tensor,
+    randint,
+)
+from attnlib.book.exercises._run import Refuse, run
 
-__all__ = ["check_break_even_length", "check_retention_chunked", "check_sparse_decode_step"]
+__all__ = ["check_break_even_length", "check_gated_delta_chunked", "check_retention_chunked",
+           "check_sparse_decode_step"]
 
 
 # ---------------------------------------------------------------- 18.1
@@ -34,16 +51,6 @@ def _retention(q, k, v, gamma):
         S = gamma * S + k[..., t, :, None] * v[..., t, None, :]
         outs.append((q[..., t, :, None] * S).sum(-2))
     return torch.stack(outs, -2)
-
-
-class _CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _retention_slip(q, k, v, gamma, C, shift=0, mask=True):
@@ -60,78 +67,86 @@ def _retention_slip(q, k, v, gamma, C, shift=0, mask=True):
     return torch.cat(outs, -2)
 
 
+def _retention_cases(g: torch.Generator) -> list[tuple]:
+    cases = [(12, 4, 0.9), (13, 5, 0.7), (16, 16, 0.95), (9, 1, 0.5), (7, 10, 0.8), (64, 16, 0.97)]
+    cases += [(randint(g, 5, 40), randint(g, 2, 12), round(0.5 + 0.49 * float(torch.rand((), generator=g)), 3))
+              for _ in range(3)]
+    return [(randint(g, 1, 3), randint(g, 1, 3), randint(g, 2, 6), randint(g, 2, 6), *c) for c in cases]
+
+
 @exercise("18.1")
 def check_retention_chunked(retention_chunked) -> None:
     """Check ``retention_chunked(q, k, v, gamma, chunk_size) -> (..., T, d_v)`` against the recurrence."""
-    g = torch.Generator().manual_seed(18)
-    cases = [(12, 4, 0.9), (13, 5, 0.7), (16, 16, 0.95), (9, 1, 0.5), (7, 10, 0.8), (64, 16, 0.97)]
-    for T, C, gamma in cases:
-        q, k, v = (torch.randn(2, 3, T, d, generator=g, dtype=torch.float64) for d in (4, 4, 5))
-        inputs = [t.clone() for t in (q, k, v)]
-        counter = _CountOps()
-        with counter:
-            got = retention_chunked(q, k, v, gamma, C)
+    g = case_rng()
+    for B, h, d_k, d_v, T, C, gamma in _retention_cases(g):
+        q, k = (torch.randn(B, h, T, d_k, generator=g, dtype=torch.float64) for _ in range(2))
+        v = torch.randn(B, h, T, d_v, generator=g, dtype=torch.float64)
+        what = f"retention_chunked(q, k, v, gamma={gamma}, chunk_size={C}) with q, k {(B, h, T, d_k)}, v {(B, h, T, d_v)}"
+        counter = StateOps(d_k, d_v)
+        got = run(retention_chunked, q, k, v, gamma, C, what=what, inside=(counter,))
         if got is None:
             raise NotSolved("return the output (..., T, d_v), not None")
-        case = f"T={T}, chunk_size={C}, gamma={gamma}"
-        expect(all(torch.equal(a, b) for a, b in zip(inputs, (q, k, v))), f"{case}: your code changed q, k or v in place")
-        expect(isinstance(got, torch.Tensor) and tuple(got.shape) == (2, 3, T, 5),
-               f"{case}: return a tensor of shape (..., T, d_v) = (2, 3, {T}, 5); got {getattr(got, 'shape', got)}")
+        expect_tensor(got, what, shape=(B, h, T, d_v), dtype=q.dtype)  # float64 in, float64 out
         expected = _retention(q, k, v, gamma)
         tol = 1e-6 * expected.abs().max().item()  # float32 powers of gamma are fine: the algebra is checked
         if torch.allclose(got.double(), expected, rtol=1e-5, atol=tol):
             chunks = -(-T // C)
-            expect(T < 64 or counter.count <= 40 * chunks + 60,
-                   f"{case}: {counter.count} tensor operations for {chunks} chunks: your code steps token by token; "
-                   "compute each chunk with matrix products and carry the state between chunks only")
+            expect(T < 64 or counter.count <= 16 * chunks + 16,
+                   f"{what}: {counter.count} operations gave a state-shaped (d_k, d_v) result for {chunks} chunks: "
+                   "your code steps token by token; compute each chunk with matrix products and update the "
+                   "state once per chunk")
             continue
         expect(not torch.allclose(got.double(), _retention_slip(q, k, v, gamma, C, shift=1), atol=1e-8),
-               f"{case}: the weight of key s for query t is gamma**(t - s): a token's own key is not decayed "
+               f"{what}: the weight of key s for query t is gamma**(t - s): a token's own key is not decayed "
                "(you used gamma**(t - s + 1))")
         expect(not torch.allclose(got.double(), _retention_slip(q, k, v, gamma, C, mask=False), atol=1e-8),
-               f"{case}: future keys leak in: inside a chunk mask the decay matrix to s <= t (gamma**(t - s) "
+               f"{what}: future keys leak in: inside a chunk mask the decay matrix to s <= t (gamma**(t - s) "
                "for s > t is not zero)")
         p = T // 2  # change the keys and values from position p on: the outputs before p must not move
         k2, v2 = k.clone(), v.clone()
         k2[..., p:, :], v2[..., p:, :] = -k2[..., p:, :], 2 * v2[..., p:, :]
-        again = retention_chunked(q, k2, v2, gamma, C)
+        again = expect_tensor(run(retention_chunked, q, k2, v2, gamma, C, what=what), what, shape=(B, h, T, d_v))
         expect(torch.allclose(again[..., :p, :].double(), got[..., :p, :].double(), atol=tol),
-               f"{case}: outputs before position {p} changed when the keys and values from {p} on changed: "
+               f"{what}: outputs before position {p} changed when the keys and values from {p} on changed: "
                "a query reads the future; read the state of the earlier chunks before adding the chunk's "
                "own keys to it, and inside the chunk keep s <= t only")
         first = min(C, T)
         expect(not torch.allclose(got[..., :first, :].double(), expected[..., :first, :], rtol=1e-5, atol=tol),
-               f"{case}: the first chunk is right but later ones are not: between chunks, the state "
+               f"{what}: the first chunk is right but later ones are not: between chunks, the state "
                "decays by gamma**C over a chunk of C tokens, key s of the chunk enters it with "
                "gamma**(C - 1 - s), and query r of the next chunk reads it with gamma**(r + 1)")
-        expect(False, f"{case}: differs from the recurrence S_t = gamma S_(t-1) + k_t v_t^T, o_t = S_t^T q_t "
+        expect(False, f"{what}: differs from the recurrence S_t = gamma S_(t-1) + k_t v_t^T, o_t = S_t^T q_t "
                       f"by {(got.double() - expected).abs().max().item():.3g}")
 
 
 # ---------------------------------------------------------------- 18.2
+#: 18.2 asks for the gather and the softmax: attnlib's top-k attention does both.
+_OWN_TOPK = Refuse("gather the chosen keys yourself, not with attnlib's top-k attention",
+                   topk_attention, topk_mask, TopKAttention)
+
+
 def _sparse_step(q, K, V, index_scores, top_k):
-    T = K.shape[-2]
-    index = index_scores.topk(min(top_k, T), dim=-1).indices  # (B, k)
-    gather = index[:, None, :, None]
-    K_sel = K.gather(2, gather.expand(-1, K.shape[1], -1, K.shape[-1]))
-    V_sel = V.gather(2, gather.expand(-1, V.shape[1], -1, V.shape[-1]))
-    w = ((K_sel @ q[..., None]).squeeze(-1) * q.shape[-1] ** -0.5).softmax(-1)  # (B, h, k)
-    return (w[..., None] * V_sel).sum(-2)
+    """Written with a boolean mask and a softmax over the chosen keys (float64)."""
+    n = min(top_k, K.shape[-2])
+    keep = torch.zeros_like(index_scores, dtype=torch.bool).scatter(-1, index_scores.topk(n, -1).indices, True)
+    s = (K @ q[..., None]).squeeze(-1) * q.shape[-1] ** -0.5  # (B, h, T)
+    w = s.masked_fill(~keep[:, None, :], float("-inf")).softmax(-1)
+    return (w[..., None] * V).sum(-2)
 
 
-def _diagnose_weights(sparse_decode_step, top_k: int) -> None:
+def _diagnose_weights(sparse_decode_step, top_k: int, g: torch.Generator) -> None:
     """Read the weights an answer uses (values = the identity, so the output is the weights) and name
     what is off: how many keys, which keys, their sum, the scale of the scores."""
-    g = torch.Generator().manual_seed(1821)
     B, h, T = 2, 3, 12
     q = torch.randn(B, h, T, generator=g, dtype=torch.float64)
     K = torch.randn(B, h, T, T, generator=g, dtype=torch.float64)
     V = torch.eye(T, dtype=torch.float64).expand(B, h, T, T).clone()  # value j = e_j
     index_scores = torch.randn(B, T, generator=g, dtype=torch.float64)
-    w = sparse_decode_step(q, K, V, index_scores, top_k).double()  # (B, h, T): the weight of each key
+    case = f"B={B}, h={h}, T={T}, d={T}, top_k={top_k}, values = one-hot vectors (your output = your weights)"
+    w = run(sparse_decode_step, q, K, V, index_scores, top_k, what=case, refuse=_OWN_TOPK)
+    w = expect_tensor(w, case, shape=(B, h, T)).double()  # (B, h, T): the weight of each key
     n = min(top_k, T)
     used = w.abs() > 1e-12
-    case = f"B={B}, h={h}, T={T}, d={T}, top_k={top_k}, values = one-hot vectors (your output = your weights)"
     expect(bool((used.sum(-1) == n).all()),
            f"{case}: you give weight to {sorted(set(used.sum(-1).flatten().tolist()))} keys per head; attend to "
            f"exactly top_k = {n} (all T when top_k >= T)")
@@ -155,50 +170,47 @@ def _diagnose_weights(sparse_decode_step, top_k: int) -> None:
 @exercise("18.2")
 def check_sparse_decode_step(sparse_decode_step) -> None:
     """Check ``sparse_decode_step(q (B, h, d), K, V (B, h, T, d), index_scores (B, T), top_k) -> (B, h, d)``."""
-    g = torch.Generator().manual_seed(182)
-    for B, h, T, d, top_k in [(2, 3, 10, 8, 4), (1, 2, 7, 4, 7), (2, 2, 5, 4, 9), (3, 4, 33, 16, 6), (1, 1, 6, 4, 1)]:
+    g = case_rng()
+    cases = [(2, 3, 10, 8, 4), (1, 2, 7, 4, 7), (2, 2, 5, 4, 9), (3, 4, 33, 16, 6), (1, 1, 6, 4, 1)]
+    cases += [(randint(g, 1, 3), randint(g, 1, 4), randint(g, 2, 40), randint(g, 2, 16), randint(g, 1, 12))
+              for _ in range(3)]
+    for B, h, T, d, top_k in cases:
         q = torch.randn(B, h, d, generator=g, dtype=torch.float64)
         K, V = (torch.randn(B, h, T, d, generator=g, dtype=torch.float64) for _ in range(2))
         index_scores = torch.randn(B, T, generator=g, dtype=torch.float64)
-        case = f"B={B}, h={h}, T={T}, d={d}, top_k={top_k}"
-        inputs = [t.clone() for t in (q, K, V, index_scores)]
+        what = f"sparse_decode_step(q, K, V, index_scores, top_k={top_k}) with B={B}, h={h}, T={T}, d={d}"
         try:
-            got = sparse_decode_step(q, K, V, index_scores, top_k)
-        except RuntimeError as e:
-            if top_k > T:
-                raise Wrong(f"{case}: top_k exceeds the T={T} cached keys ({e}); attend to all of them then, "
+            got = run(sparse_decode_step, q, K, V, index_scores, top_k, what=what, refuse=_OWN_TOPK)
+        except Wrong as e:
+            if top_k > T and "your code raised RuntimeError" in str(e):
+                raise Wrong(f"{e}. top_k={top_k} exceeds the T={T} cached keys: attend to all of them then, "
                             "min(top_k, T)") from None
             raise
         if got is None:
             raise NotSolved("return the attention output (B, h, d), not None")
-        expect(isinstance(got, torch.Tensor) and tuple(got.shape) == (B, h, d),
-               f"{case}: return a tensor of shape (B, h, d) = {(B, h, d)}; got {getattr(got, 'shape', got)}")
-        expect(all(torch.equal(a, b) for a, b in zip(inputs, (q, K, V, index_scores))),
-               f"{case}: your code changed q, K, V or index_scores in place")
+        expect_tensor(got, what, shape=(B, h, d))
         expect(not got.isnan().any(),
-               f"{case}: your output holds NaN: a softmax ran over a row whose entries are all -inf (the "
+               f"{what}: your output holds NaN: a softmax ran over a row whose entries are all -inf (the "
                "wrong dimension?); take the softmax over the chosen keys of each head, the last dimension")
         expected = _sparse_step(q, K, V, index_scores, top_k)
-        if torch.allclose(got.double(), expected, atol=1e-8):
+        if torch.allclose(got.double(), expected, rtol=1e-7, atol=1e-9):
             continue
-        own = _sparse_step(q, K, V, (K @ q[..., None]).squeeze(-1).sum(1), top_k)  # chosen by q·k summed over heads
-        per_head = (K @ q[..., None]).squeeze(-1)
-        keep = torch.zeros_like(per_head, dtype=torch.bool).scatter(-1, per_head.topk(min(top_k, T), -1).indices, True)
+        per_head = (K @ q[..., None]).squeeze(-1)  # (B, h, T)
+        n = min(top_k, T)
+        keep = torch.zeros_like(per_head, dtype=torch.bool).scatter(-1, per_head.topk(n, -1).indices, True)
         w = (per_head * d**-0.5).masked_fill(~keep, float("-inf")).softmax(-1)
-        expect(not (torch.allclose(got.double(), own, atol=1e-8)
+        expect(not (torch.allclose(got.double(), _sparse_step(q, K, V, per_head.sum(1), top_k), atol=1e-8)
                     or torch.allclose(got.double(), (w[..., None] * V).sum(-2), atol=1e-8)),
-               f"{case}: the keys are chosen by index_scores (the indexer), not by q·k")
-        dense = (((K @ q[..., None]).squeeze(-1)) * d**-0.5).softmax(-1)
-        index = index_scores.topk(min(top_k, T), dim=-1).indices
-        kept = torch.zeros(B, T, dtype=torch.bool).scatter(-1, index, True)[:, None, :]
+               f"{what}: the keys are chosen by index_scores (the indexer), not by q·k")
+        dense = (per_head * d**-0.5).softmax(-1)
+        kept = torch.zeros(B, T, dtype=torch.bool).scatter(-1, index_scores.topk(n, -1).indices, True)[:, None, :]
         expect(not torch.allclose(got.double(), ((dense * kept)[..., None] * V).sum(-2), atol=1e-8),
-               f"{case}: you zeroed the other keys after a softmax over all T keys; the weights must sum to 1 "
+               f"{what}: you zeroed the other keys after a softmax over all T keys; the weights must sum to 1 "
                "over the chosen keys (softmax over the chosen keys only)")
-        unscaled = _sparse_step(q * d**0.5, K, V, index_scores, top_k)
-        expect(not torch.allclose(got.double(), unscaled, atol=1e-8),
-               f"{case}: scale the scores q·k by 1/sqrt(d) before the softmax")
-        _diagnose_weights(sparse_decode_step, top_k)
-        expect(False, f"{case}: differs from softmax attention over the top_k keys of highest index score "
+        expect(not torch.allclose(got.double(), _sparse_step(q * d**0.5, K, V, index_scores, top_k), atol=1e-8),
+               f"{what}: scale the scores q·k by 1/sqrt(d) before the softmax")
+        _diagnose_weights(sparse_decode_step, top_k, g)
+        expect(False, f"{what}: differs from softmax attention over the top_k keys of highest index score "
                       f"by {(got.double() - expected).abs().max().item():.3g}")
 
 
@@ -213,25 +225,20 @@ _BREAK_EVEN_CASES = [  # (n_heads, head_dim, n_kv_heads, kv_head_dim)
 ]
 
 
-def _break_even(n_heads, head_dim, n_kv_heads, kv_head_dim) -> int:
-    return n_heads * head_dim**2 // (2 * n_kv_heads * kv_head_dim) + 1  # first T with 2 n_kv d T > h d²
-
-
 @exercise("18.3")
 def check_break_even_length(break_even_length) -> None:
     """Check ``break_even_length(n_heads, head_dim, n_kv_heads, kv_head_dim) -> int`` exactly."""
-    for n_heads, head_dim, n_kv, kv_dim in _BREAK_EVEN_CASES:
-        got = break_even_length(n_heads, head_dim, n_kv, kv_dim)
-        if got is None:
-            raise NotSolved("return the length T as an int, not None")
-        expect(isinstance(got, int) and not isinstance(got, bool),
-               f"return a Python int; got {type(got).__name__} (use // for integer division)")
-        expected = _break_even(n_heads, head_dim, n_kv, kv_dim)
-        case = (f"break_even_length(n_heads={n_heads}, head_dim={head_dim}, n_kv_heads={n_kv}, "
-                f"kv_head_dim={kv_dim}) = {got}, expected {expected}")
+    g = case_rng()
+    cases = _BREAK_EVEN_CASES + [(randint(g, 1, 64), randint(g, 3, 256), randint(g, 1, 16), randint(g, 3, 256))
+                                 for _ in range(4)]
+    for n_heads, head_dim, n_kv, kv_dim in cases:
+        what = f"break_even_length(n_heads={n_heads}, head_dim={head_dim}, n_kv_heads={n_kv}, kv_head_dim={kv_dim})"
+        got = expect_int(run(break_even_length, n_heads, head_dim, n_kv, kv_dim, what=what), what)
+        state, per_token = n_heads * head_dim**2, 2 * n_kv * kv_dim
+        expected = next(T for T in range(state // per_token, state // per_token + 3) if per_token * T > state)
+        case = f"{what} = {got}, expected {expected}"
         if got == expected:
             continue
-        state, per_token = n_heads * head_dim**2, 2 * n_kv * kv_dim
         expect(got != state // (n_kv * kv_dim) + 1,
                f"{case}: a KV cache keeps a key AND a value per head: 2 x n_kv_heads x kv_head_dim per token")
         expect(got != state // (2 * n_heads * kv_dim) + 1,
