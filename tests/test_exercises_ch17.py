@@ -344,3 +344,21 @@ ANSWERS = {
         function=False,
     ),
 }
+
+
+def test_the_solutions_equal_outside_references():
+    """17.5's answer = transformers' dynamic frequencies; 17.6's ring = attention over RingLayerCache's keys."""
+    g = torch.Generator().manual_seed(0)
+    for T, L, f in ((20, 32, 1.0), (96, 24, 2.0), (41, 10, 4.0)):
+        q, k = torch.randn(2, 16, generator=g, dtype=torch.float64), torch.randn(2, T, 16, generator=g,
+                                                                                 dtype=torch.float64)
+        theirs = dynamic_by_transformers(q, k, 10000.0, f, L)  # transformers' frequencies are float32
+        torch.testing.assert_close(dynamic_scores(q, k, 10000.0, f, L), theirs, rtol=1e-5, atol=1e-5)
+    window, T = 3, 10
+    q, k, v = (torch.randn(1, 2, T, 4, generator=g) for _ in range(3))
+    ours, ring = RingCache(window, 1, 2, 4), RingLayerCache(T, window)
+    for p in range(T):
+        keys, values = ring.update(k[:, :, p : p + 1], v[:, :, p : p + 1])  # the last window positions, in order
+        expected = F.scaled_dot_product_attention(q[:, :, p : p + 1], keys, values)
+        torch.testing.assert_close(ours.step(q[:, :, p : p + 1], k[:, :, p : p + 1], v[:, :, p : p + 1], p),
+                                   expected)
