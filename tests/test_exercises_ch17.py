@@ -1,15 +1,72 @@
-"""The chapter 17 exercise checks: the solution is correct, plausible mistakes are wrong with a hint naming them."""
+"""The chapter 17 exercise checks: the table of answers each must accept and refuse (tests/exercise_table.py)."""
 import math
 
-import pytest
+import numpy as np
 import torch
+import torch.nn.functional as F
+from exercise_table import Answers
 
-from attnlib.book.exercises import CORRECT, NOT_SOLVED, WRONG, ch17, grade  # noqa: F401  (ch17 registers 17.x)
+from attnlib.book.exercises import NOT_SOLVED, grade
+from attnlib.cache import RingLayerCache
+from attnlib.positional import RotaryEmbedding
+
+
+def test_stubs_are_not_solved():
+    def stub(*args):
+        raise NotImplementedError("write it")
+
+    for exercise_id in ("17.1", "17.2", "17.3", "17.4", "17.5", "17.6"):
+        assert grade(exercise_id, stub).status == NOT_SOLVED
 
 
 # ---------------------------------------------------------------- 17.1
 def ntk_base(base, head_dim, factor):
     return base * factor ** (head_dim / (head_dim - 2))
+
+
+def ntk_base_by_logs(base, head_dim, factor):  # b' from log b' = log b + d/(d - 2) log s
+    return math.exp(math.log(base) + head_dim / (head_dim - 2) * math.log(factor))
+
+
+# ---------------------------------------------------------------- 17.2
+def reach(windows, T):
+    if None in windows:
+        return T
+    return min(T, 1 + sum(w - 1 for w in windows))
+
+
+def reach_by_walking(windows, T):  # the earliest input the last output reads, layer by layer
+    earliest = T - 1
+    for w in windows:
+        earliest = 0 if w is None else max(0, earliest - (w - 1))
+    return T - earliest
+
+
+def reach_ignoring_global(windows, T):
+    return min(T, 1 + sum(w - 1 for w in windows if w is not None))
+
+
+def reach_uniform(windows, T):
+    return min(T, 1 + len(windows) * ((windows[0] or T) - 1))
+
+
+def reach_sum_of_windows(windows, T):
+    return T if None in windows else min(T, sum(windows))
+
+
+def reach_without_itself(windows, T):
+    return T if None in windows else min(T, sum(w - 1 for w in windows))
+
+
+def reach_unclipped(windows, T):
+    return T if None in windows else 1 + sum(w - 1 for w in windows)
+
+
+class _AlwaysEqual(int):
+    def __eq__(self, other):
+        return True
+
+    __hash__ = int.__hash__
 
 
 # ---------------------------------------------------------------- 17.3
@@ -22,21 +79,12 @@ def streaming_keys(position, window, n_sink, sinks=True, extra=0, dedup=True, si
     return sorted(set(keys)) if dedup else sorted(keys)
 
 
+def streaming_keys_by_filter(position, window, n_sink):
+    return [p for p in range(position + 1) if p < n_sink or p > position - window]
+
+
 def streaming_renumbered(position, window, n_sink):
     return list(range(len(streaming_keys(position, window, n_sink))))
-
-
-# ---------------------------------------------------------------- 17.2
-def pattern_cache_bytes(windows, n_kv_heads, head_dim, seq_len, dtype, batch_size, kv=2, use_min=True,
-                        itemsize=None, batch=True, extra=0, ignore_windows=False):
-    per = n_kv_heads * head_dim * (itemsize or dtype.itemsize) * (batch_size if batch else 1)
-    total = 0
-    for w in windows:
-        if w is None or ignore_windows:
-            total += kv * per * seq_len
-        else:
-            total += kv * per * (min(w + extra, seq_len) if use_min else w + extra)
-    return total
 
 
 # ---------------------------------------------------------------- 17.4
@@ -44,120 +92,273 @@ def softcap_grad(scores, cap):
     return 1 - torch.tanh(scores / cap) ** 2
 
 
+def softcap_grad_by_autograd(scores, cap):
+    s = scores.detach().clone().requires_grad_(True)
+    (cap * torch.tanh(s / cap)).sum().backward()
+    return s.grad
+
+
 def softcap_grad_in_place(scores, cap):
     return 1 - scores.div_(cap).tanh_() ** 2
 
 
 # ---------------------------------------------------------------- 17.5
-def yarn_frequencies(head_dim, base, factor, original_length, beta_fast=32.0, beta_slow=1.0, attention=True,
-                     log=math.log, ramp_over="pairs", rounded=True, clamped=True, swapped=False):
-    theta = 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+# The scores written here with complex numbers for the rotation, independently of the check's float64 helper.
+def _scores(q, k, base, factor, L, length=None, clamp=True, plain=False, exponent=None, query_at=None,
+            own=False, scale=True, interleaved=False):
+    h, T, d = k.shape
 
-    def pair(turns):  # the pair index i that makes `turns` turns in original_length tokens
-        return head_dim * math.log(original_length / (turns * 2 * math.pi)) / (2 * math.log(base))
+    def theta(n):
+        n = max(n, L) if clamp else n
+        s = n / L if plain else factor * n / L - (factor - 1)
+        b = base * s ** (d / (d - 2) if exponent is None else exponent)
+        return 1.0 / b ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
 
-    if ramp_over == "turns":  # the paper's gamma(r), r = original_length / wavelength
-        ramp = 1 - (original_length * theta / (2 * math.pi) - beta_slow) / (beta_fast - beta_slow)
-    else:
-        low, high = pair(beta_fast), pair(beta_slow)
-        if rounded:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, head_dim - 1)
-        ramp = (torch.arange(head_dim // 2).float() - low) / (high - low)
-    ramp = ramp.clamp(0, 1) if clamped else ramp
-    ramp = 1 - ramp if swapped else ramp
-    inv_freq = theta / factor * ramp + theta * (1 - ramp)
-    factor_on_cos_sin = 0.1 * log(factor) + 1 if attention is True else attention
-    return inv_freq, factor_on_cos_sin
+    def turn(x, angle):
+        if interleaved:
+            z = torch.view_as_complex(x.reshape(*x.shape[:-1], d // 2, 2).contiguous())
+        else:
+            z = torch.complex(x[..., : d // 2], x[..., d // 2 :])
+        return z * torch.polar(torch.ones_like(angle), angle)
 
-
-def yarn_factor_on_scores(d, b, s, L, fast, slow):
-    inv_freq, f = yarn_frequencies(d, b, s, L, fast, slow)
-    return inv_freq, f**2
-
-
-CORRECT_ANSWERS = [
-    ("17.1", ntk_base),
-    ("17.3", streaming_keys),
-    ("17.2", pattern_cache_bytes),
-    ("17.4", softcap_grad),
-    ("17.5", yarn_frequencies),
-]
+    now = theta(T if length is None else length)
+    angles = torch.stack([j * (theta(j + 1) if own else now) for j in range(T)])  # (T, d/2)
+    keys = turn(k, angles)  # (h, T, d/2) complex
+    query = turn(q, (T - 1 if query_at is None else query_at) * now)  # (h, d/2)
+    scores = (query[:, None, :] * keys.conj()).real.sum(-1)  # Re(q conj k) = the dot product of the pairs
+    return scores / math.sqrt(d) if scale else scores
 
 
-@pytest.mark.parametrize("exercise_id, answer", CORRECT_ANSWERS)
-def test_reference_answer_is_correct(exercise_id, answer):
-    verdict = grade(exercise_id, answer)
-    assert verdict.status == CORRECT, str(verdict)
+def dynamic_scores(q, k, base, factor, original_length):  # the solution's way, with real numbers
+    h, T, d = k.shape
+    s = max(T, original_length) * factor / original_length - (factor - 1)
+    new_base = base * s ** (d / (d - 2))
+    theta = 1.0 / new_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+
+    def rope(x, positions):
+        angle = positions[:, None].double() * theta  # (T, d/2)
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+        return torch.cat([x1 * angle.cos() - x2 * angle.sin(), x1 * angle.sin() + x2 * angle.cos()], dim=-1)
+
+    q_rot = rope(q[:, None, :], torch.tensor([T - 1]))  # (h, 1, d)
+    return (q_rot @ rope(k, torch.arange(T)).transpose(-2, -1))[:, 0] / math.sqrt(d)
 
 
-@pytest.mark.parametrize(
-    "exercise_id, answer, hint",
-    [
-        ("17.1", lambda b, d, s: b * s, "slowed by only"),
-        ("17.1", lambda b, d, s: b * s ** ((d - 2) / d), "exponent is upside down"),
-        ("17.1", lambda b, d, s: b / s, "a smaller base makes every pair turn faster"),
-        ("17.1", lambda b, d, s: b * s ** (d / 2), "i = d_h/2 - 1"),
-        ("17.1", lambda b, d, s: b * s ** (d / (d - 1)), "the fastest pair (i = 0) never changes"),
-        ("17.1", lambda b, d, s: torch.tensor([b, s]), "return a number"),
-        ("17.3", lambda p, w, n: streaming_keys(p, w, n, sinks=False), "never evicted"),
-        ("17.3", lambda p, w, n: streaming_keys(p, w, n, extra=1), "the window counts the token itself"),
-        ("17.3", lambda p, w, n: streaming_keys(p, w, n, dedup=False), "list it once"),
-        ("17.3", lambda p, w, n: streaming_keys(p, w, n, sinks_in_window=True), "besides the sinks"),
-        ("17.3", lambda p, w, n: streaming_keys(p, w, n, future_sinks=True), "once its token has arrived"),
-        ("17.3", streaming_renumbered, "not the positions 0, 1, ..."),
-        ("17.3", lambda p, w, n: streaming_keys(p, w, n)[::-1], "ascending order"),
-        ("17.3", lambda p, w, n: streaming_keys(p, w, n, extra=-1), "keys, the token itself and the"),
-        ("17.2", lambda *a: pattern_cache_bytes(*a, kv=1), "a key AND a value"),
-        ("17.2", lambda *a: pattern_cache_bytes(*a, use_min=False), "min(seq_len, window)"),
-        ("17.2", lambda *a: pattern_cache_bytes(*a, ignore_windows=True), "keeps only its window"),
-        ("17.2", lambda *a: pattern_cache_bytes(*a, itemsize=2), "dtype.itemsize"),
-        ("17.2", lambda *a: pattern_cache_bytes(*a, batch=False), "batch_size="),
-        ("17.2", lambda *a: pattern_cache_bytes(*a, extra=1), "not w + 1"),
-        ("17.2", lambda *a: float(pattern_cache_bytes(*a)), "return a Python int"),
-        ("17.4", lambda s, c: c * (1 - torch.tanh(s / c) ** 2), "chain rule"),
-        ("17.4", lambda s, c: 1 - torch.tanh(s) ** 2, "the tanh is of s / cap"),
-        ("17.4", lambda s, c: 1 / torch.cosh(s / c), "(squared)"),
-        ("17.4", lambda s, c: torch.where(s == 0, torch.ones_like(s), c * torch.tanh(s / c) / s), "the secant"),
-        ("17.4", softcap_grad_in_place, "changed scores in place"),
-        ("17.5", lambda *a: yarn_frequencies(*a, attention=1.0), "also multiplies cos and sin"),
-        ("17.5", yarn_factor_on_scores, "the factor on the scores"),
-        ("17.5", lambda *a: yarn_frequencies(*a, log=math.log10), "natural logarithm"),
-        ("17.5", lambda *a: yarn_frequencies(*a, swapped=True), "the bands are swapped"),
-        ("17.5", lambda *a: yarn_frequencies(*a, ramp_over="turns"), "linearly over the pair index"),
-        ("17.5", lambda *a: yarn_frequencies(*a, rounded=False), "round the band edges outward"),
-        ("17.5", lambda *a: yarn_frequencies(*a, clamped=False), "clamp the ramp"),
-        ("17.5", lambda d, b, s, L, f, sl: (1 / b ** (torch.arange(0, d, 2) / d) / s, 0.1 * math.log(s) + 1),
-         "linear scaling"),
-        ("17.5", lambda *a: (yarn_frequencies(*a)[0][:-1], yarn_frequencies(*a)[1]), "head_dim / 2"),
-    ],
-)
-def test_plausible_mistake_is_wrong(exercise_id, answer, hint):
-    verdict = grade(exercise_id, answer)
-    assert verdict.status == WRONG, str(verdict)
-    assert hint in verdict.detail, str(verdict)
+def dynamic_scores_float32(q, k, base, factor, original_length):  # angles in float32, as the chapter's rope()
+    return _scores(q.float().double(), k, base, factor, original_length).float().double()
 
 
-@pytest.mark.parametrize("config", [(128, 500000.0, 8.0, 8192, 32.0, 1.0), (64, 10000.0, 16.0, 2048, 8.0, 0.5)])
-def test_yarn_answer_equals_transformers(config):
-    """The accepted answer of 17.5 against transformers' own YaRN (an outside reference)."""
+def dynamic_by_library(q, k, base, factor, original_length):
+    rope = RotaryEmbedding(q.shape[-1], base, {"rope_type": "dynamic", "factor": factor}, original_length)
+    T = k.shape[1]
+    q_rot = rope.rotate(q[:, None, :], torch.tensor([T - 1]))
+    return (q_rot @ rope.rotate(k, torch.arange(T)).transpose(-2, -1))[:, 0] / math.sqrt(q.shape[-1])
+
+
+def dynamic_by_transformers(q, k, base, factor, original_length):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    d, base, s, L, fast, slow = config
-    hf_config = LlamaConfig(hidden_size=2 * d, num_attention_heads=2, head_dim=d, max_position_embeddings=int(s * L),
-                            rope_parameters={"rope_type": "yarn", "rope_theta": base, "factor": s,
-                                             "original_max_position_embeddings": L, "beta_fast": fast,
-                                             "beta_slow": slow})
-    expected, expected_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config, None)
-    inv_freq, factor = yarn_frequencies(*config)
-    torch.testing.assert_close(inv_freq, expected.float(), rtol=1e-6, atol=0)
-    assert math.isclose(factor, expected_factor, rel_tol=1e-9)
+    h, T, d = k.shape
+    config = LlamaConfig(hidden_size=2 * d, num_attention_heads=2, head_dim=d,
+                         max_position_embeddings=original_length,
+                         rope_parameters={"rope_type": "dynamic", "factor": factor, "rope_theta": base})
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](config, None, seq_len=T)
+    angle = torch.arange(T)[:, None].double() * inv_freq.double()  # (T, d/2)
+    keys = torch.cat([k[..., : d // 2] * angle.cos() - k[..., d // 2 :] * angle.sin(),
+                      k[..., : d // 2] * angle.sin() + k[..., d // 2 :] * angle.cos()], dim=-1)
+    a = angle[-1]
+    query = torch.cat([q[:, : d // 2] * a.cos() - q[:, d // 2 :] * a.sin(),
+                       q[:, : d // 2] * a.sin() + q[:, d // 2 :] * a.cos()], dim=-1)
+    return (keys @ query[:, :, None])[..., 0] / math.sqrt(d)
 
 
-@pytest.mark.parametrize("exercise_id", ["17.1", "17.2", "17.3", "17.4", "17.5"])
-def test_stub_is_not_solved(exercise_id):
-    def stub(*args):
-        raise NotImplementedError("write it")
+# ---------------------------------------------------------------- 17.6
+class RingCache:  # the solution's way: slots p % window, the empty ones masked
+    def __init__(self, window, batch_size, n_heads, head_dim):
+        self.window = window
+        self.k = torch.zeros(batch_size, n_heads, window, head_dim)
+        self.v = torch.zeros(batch_size, n_heads, window, head_dim)
 
-    assert grade(exercise_id, stub).status == NOT_SOLVED
+    def step(self, q, k, v, position):
+        slot = position % self.window
+        self.k[:, :, slot] = k[:, :, 0]
+        self.v[:, :, slot] = v[:, :, 0]
+        scores = q @ self.k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, h, 1, window)
+        filled = torch.arange(self.window) <= position  # slots written so far
+        weights = scores.masked_fill(~filled, float("-inf")).softmax(-1)
+        return weights @ self.v  # (B, h, 1, head_dim)
+
+
+class RingCacheSDPA:  # another way: the filled slots only, through PyTorch's attention
+    def __init__(self, window, batch_size, n_heads, head_dim):
+        self.window, self.seen = window, 0
+        self.k = torch.zeros(batch_size, n_heads, window, head_dim)
+        self.v = torch.zeros_like(self.k)
+
+    def step(self, q, k, v, position):
+        self.k[:, :, position % self.window] = k.squeeze(2)
+        self.v[:, :, position % self.window] = v.squeeze(2)
+        n = min(position + 1, self.window)  # the slots 0 ... n - 1 are filled
+        return F.scaled_dot_product_attention(q, self.k[:, :, :n], self.v[:, :, :n])
+
+
+class RingZerosSeen(RingCache):
+    def step(self, q, k, v, position):
+        slot = position % self.window
+        self.k[:, :, slot], self.v[:, :, slot] = k[:, :, 0], v[:, :, 0]
+        return (q @ self.k.transpose(-2, -1) / math.sqrt(q.shape[-1])).softmax(-1) @ self.v
+
+
+class RingAttendFirst(RingCache):
+    def step(self, q, k, v, position):
+        n = min(position, self.window)
+        if n == 0:
+            out = v.clone()
+        else:
+            out = F.scaled_dot_product_attention(q, self.k[:, :, :n], self.v[:, :, :n])
+        self.k[:, :, position % self.window], self.v[:, :, position % self.window] = k[:, :, 0], v[:, :, 0]
+        return out
+
+
+class RingRolled(RingCache):  # keeps the slots in order, newest last: correct outputs, not slot p % window
+    def step(self, q, k, v, position):
+        self.k, self.v = self.k.roll(-1, dims=2), self.v.roll(-1, dims=2)
+        self.k[:, :, -1], self.v[:, :, -1] = k[:, :, 0], v[:, :, 0]
+        n = min(position + 1, self.window)
+        return F.scaled_dot_product_attention(q, self.k[:, :, -n:], self.v[:, :, -n:])
+
+
+class RingKeepsEverything(RingCache):
+    def __init__(self, window, batch_size, n_heads, head_dim):
+        super().__init__(window, batch_size, n_heads, head_dim)
+        self.all_k, self.all_v = [], []
+
+    def step(self, q, k, v, position):
+        self.all_k.append(k)
+        self.all_v.append(v)
+        return super().step(q, k, v, position)
+
+
+class RingUnscaled(RingCache):
+    def step(self, q, k, v, position):
+        return super().step(q * math.sqrt(q.shape[-1]), k, v, position)
+
+
+class RingThroughAttnlib(RingCache):
+    def __init__(self, window, batch_size, n_heads, head_dim):
+        super().__init__(window, batch_size, n_heads, head_dim)
+        self.ring = RingLayerCache(10_000, window)
+
+
+class RingScalesInPlace(RingCache):
+    def step(self, q, k, v, position):
+        q.mul_(1 / math.sqrt(q.shape[-1]))  # the caller's query, scaled where it lies
+        return super().step(q * math.sqrt(q.shape[-1]), k, v, position)
+
+
+class RingFlat(RingCache):
+    def step(self, q, k, v, position):
+        return super().step(q, k, v, position)[:, :, 0]  # (B, h, head_dim): the T axis dropped
+
+
+ANSWERS = {
+    "17.1": Answers(
+        correct=[ntk_base, ntk_base_by_logs],
+        wrong=[
+            (lambda b, d, s: b * s, "slowed by only"),
+            (lambda b, d, s: b * s ** ((d - 2) / d), "exponent is upside down"),
+            (lambda b, d, s: b / s, "a smaller base makes every pair turn faster"),
+            (lambda b, d, s: b * s ** (d / 2), "i = d_h/2 - 1"),
+            (lambda b, d, s: b * s ** (d / (d - 1)), "the fastest pair (i = 0) never changes"),
+            (lambda b, d, s: torch.tensor(ntk_base(b, d, s)), "use .item()"),
+            (lambda b, d, s: np.float64(ntk_base(b, d, s)), "should be a Python float"),
+        ],
+    ),
+    "17.2": Answers(
+        correct=[reach, reach_by_walking],
+        wrong=[
+            (reach_ignoring_global, "a global layer"),
+            (reach_uniform, "each layer adds its own w - 1"),
+            (reach_sum_of_windows, "adds w - 1, not w"),
+            (reach_without_itself, "count the last position itself"),
+            (reach_unclipped, "there are only T"),
+            (lambda windows, T: float(reach(windows, T)), "should be a Python int"),
+            (lambda windows, T: _AlwaysEqual(reach(windows, T)), "should be a Python int"),
+        ],
+    ),
+    "17.3": Answers(
+        correct=[streaming_keys, streaming_keys_by_filter],
+        wrong=[
+            (lambda p, w, n: streaming_keys(p, w, n, sinks=False), "never evicted"),
+            (lambda p, w, n: streaming_keys(p, w, n, extra=1), "the window counts the token itself"),
+            (lambda p, w, n: streaming_keys(p, w, n, dedup=False), "list it once"),
+            (lambda p, w, n: streaming_keys(p, w, n, sinks_in_window=True), "besides the sinks"),
+            (lambda p, w, n: streaming_keys(p, w, n, future_sinks=True), "once its token has arrived"),
+            (streaming_renumbered, "not the positions 0, 1, ..."),
+            (lambda p, w, n: streaming_keys(p, w, n)[::-1], "ascending order"),
+            (lambda p, w, n: streaming_keys(p, w, n, extra=-1), "keys, the token itself and the"),
+            (lambda p, w, n: torch.tensor(streaming_keys(p, w, n)), "use .tolist()"),
+            (lambda p, w, n: [np.int64(x) for x in streaming_keys(p, w, n)], "plain Python ints"),
+        ],
+    ),
+    "17.4": Answers(
+        correct=[softcap_grad, softcap_grad_by_autograd],
+        wrong=[
+            (lambda s, c: c * (1 - torch.tanh(s / c) ** 2), "chain rule"),
+            (lambda s, c: 1 - torch.tanh(s) ** 2, "the tanh is of s / cap"),
+            (lambda s, c: 1 / torch.cosh(s / c), "(squared)"),
+            (lambda s, c: torch.where(s == 0, torch.ones_like(s), c * torch.tanh(s / c) / s), "the secant"),
+            (softcap_grad_in_place, "in place"),
+            (lambda s, c: softcap_grad(s, c).float(), "keep scores' dtype"),
+        ],
+    ),
+    "17.5": Answers(
+        correct=[dynamic_scores, dynamic_scores_float32],
+        wrong=[
+            (lambda q, k, b, f, L: _scores(q, k, b, f, L, length=L), "these are plain RoPE's scores"),
+            (lambda q, k, b, f, L: _scores(q, k, b, f, L, clamp=False), "it never shrinks it"),
+            (lambda q, k, b, f, L: _scores(q, k, b, f, L, own=True), "a cache of keys rotated on arrival"),
+            (lambda q, k, b, f, L: _scores(q, k, b, f, L, length=k.shape[1] - 1), "not T - 1"),
+            (lambda q, k, b, f, L: _scores(q, k, b, f, L, plain=True), "s = factor * T / L - (factor - 1)"),
+            (lambda q, k, b, f, L: _scores(q, k, b, f, L, exponent=1.0), "s ** (d_h / (d_h - 2))"),
+            (lambda q, k, b, f, L: _scores(q, k, b, f, L, query_at=k.shape[1]), "the query is the newest token"),
+            (lambda q, k, b, f, L: _scores(q, k, b, f, L, scale=False), "scale the scores"),
+            (lambda q, k, b, f, L: _scores(q, k, b, f, L, interleaved=True), "rotate half-split pairs"),
+            (dynamic_by_library, "compute the dynamic base and the rotation yourself"),
+            (dynamic_by_transformers, "compute the dynamic base and the rotation yourself"),
+        ],
+    ),
+    "17.6": Answers(
+        correct=[RingCache, RingCacheSDPA],
+        wrong=[
+            (RingZerosSeen, "mask the empty slots"),
+            (RingAttendFirst, "write its key and value into the ring first"),
+            (RingRolled, "must be written to slot"),
+            (RingKeepsEverything, "a ring keeps only the last window positions"),
+            (RingUnscaled, "scale the scores by 1/sqrt(head_dim)"),
+            (RingThroughAttnlib, "write the ring buffer yourself"),
+            (RingScalesInPlace, "in place"),
+            (RingFlat, "has shape"),
+        ],
+        function=False,
+    ),
+}
+
+
+def test_the_solutions_equal_outside_references():
+    """17.5's answer = transformers' dynamic frequencies; 17.6's ring = attention over RingLayerCache's keys."""
+    g = torch.Generator().manual_seed(0)
+    for T, L, f in ((20, 32, 1.0), (96, 24, 2.0), (41, 10, 4.0)):
+        q, k = torch.randn(2, 16, generator=g, dtype=torch.float64), torch.randn(2, T, 16, generator=g,
+                                                                                 dtype=torch.float64)
+        theirs = dynamic_by_transformers(q, k, 10000.0, f, L)  # transformers' frequencies are float32
+        torch.testing.assert_close(dynamic_scores(q, k, 10000.0, f, L), theirs, rtol=1e-5, atol=1e-5)
+    window, T = 3, 10
+    q, k, v = (torch.randn(1, 2, T, 4, generator=g) for _ in range(3))
+    ours, ring = RingCache(window, 1, 2, 4), RingLayerCache(T, window)
+    for p in range(T):
+        keys, values = ring.update(k[:, :, p : p + 1], v[:, :, p : p + 1])  # the last window positions, in order
+        expected = F.scaled_dot_product_attention(q[:, :, p : p + 1], keys, values)
+        torch.testing.assert_close(ours.step(q[:, :, p : p + 1], k[:, :, p : p + 1], v[:, :, p : p + 1], p),
+                                   expected)

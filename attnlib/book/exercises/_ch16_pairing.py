@@ -10,13 +10,6 @@ import torch
 from attnlib.layers.norms import RMSNorm
 
 _NAMES = ("w_q", "w_k", "q_gain", "k_gain")
-_PAIRING_CASES = [  # (n_heads, n_kv_heads, head_dim, d_model)
-    (4, 2, 8, 16),
-    (2, 2, 12, 8),
-    (6, 3, 16, 24),
-    (4, 1, 8, 12),
-    (8, 2, 4, 16),
-]
 
 
 def _order(head_dim: int) -> torch.Tensor:

@@ -3,49 +3,66 @@
 * 17.1 ``check_ntk_base``: ``ntk_base(base, head_dim, factor)``, the base of NTK-aware RoPE
   scaling (bloc97 2023) that leaves the fastest pair alone and slows the slowest one by
   ``factor``; checked exactly (relative 1e-9) and against attnlib's dynamic NTK frequencies.
-* 17.2 ``check_pattern_cache_bytes``: ``pattern_cache_bytes(windows, n_kv_heads, head_dim,
-  seq_len, dtype, batch_size)``, the KV-cache bytes of a model whose layers have the given
-  windows (``None`` = global), checked against bytes held by real cache tensors.
+* 17.2 ``check_reach``: ``reach(windows, T)``, how many input positions can change the last output of a
+  residual stack of attention layers with these windows (``None`` = global), measured with gradients
+  through attnlib's ``MultiHeadAttention(sliding_window=...)``.
 * 17.3 ``check_streaming_keys``: ``streaming_keys(position, window, n_sink)``, the absolute
   positions of the keys that the token at ``position`` attends to through a StreamingLLM cache
   (Xiao et al. 2023), checked against :class:`attnlib.cache.SinkLayerCache` filled token by token.
 * 17.4 ``check_softcap_grad``: ``softcap_grad(scores, cap)``, the derivative of Gemma 2's soft-cap
   ``cap · tanh(s / cap)``, checked against autograd.
-* 17.5 ``check_yarn_frequencies``: ``yarn_frequencies(head_dim, base, factor, original_length,
-  beta_fast, beta_slow)``, YaRN's frequencies and attention factor (Peng et al. 2023, §3.2-3.4, as
-  its reference code and ``transformers`` compute them), checked against
-  :func:`attnlib.positional.rope_frequencies`.
+* 17.5 ``check_dynamic_scores``: ``dynamic_scores(q, k, base, factor, original_length)``, the scores of the
+  newest query as an uncached pass with dynamic NTK computes them (every key rotated with the base of
+  the current length), checked against a float64 reference of transformers' rule.
+* 17.6 ``check_ring_cache``: a ring-buffer KV cache for a sliding window, written by hand
+  (:mod:`._ch17_ring`).
+
+Every learner call goes through :func:`~attnlib.book.exercises._run.run`; besides fixed edge cases, the
+random cases come from :func:`~attnlib.book.exercises._core.case_rng` (fresh each run).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch._dynamo  # noqa: F401  (imported by the references' layers; it replaces torch.manual_seed)
 
-from attnlib.book.exercises._core import NotSolved, exercise, expect
-from attnlib.cache import LayerCache, RingLayerCache, SinkLayerCache
-from attnlib.positional import rope_frequencies
+from attnlib.attention import MultiHeadAttention
+from attnlib.book.exercises._ch17_dynamic import dynamic_scores
+from attnlib.book.exercises._ch17_ring import check_ring_cache as _check_ring_cache
+from attnlib.book.exercises._core import (
+    Wrong,
+    case_rng,
+    exercise,
+    expect,
+    expect_int,
+    expect_number,
+    expect_tensor,
+    randint,
+)
+from attnlib.book.exercises._run import Refuse, run
+from attnlib.cache import SinkLayerCache
+from attnlib.positional import RotaryEmbedding, rope_frequencies
 
-__all__ = ["check_ntk_base", "check_pattern_cache_bytes", "check_softcap_grad", "check_streaming_keys",
-           "check_yarn_frequencies"]
+__all__ = ["check_dynamic_scores", "check_ntk_base", "check_reach", "check_ring_cache", "check_softcap_grad",
+           "check_streaming_keys"]
 
 
 # ---------------------------------------------------------------- 17.1
 @exercise("17.1")
 def check_ntk_base(ntk_base) -> None:
     """Check ``ntk_base(base, head_dim, factor) -> float`` = ``base · factor^(d / (d - 2))``."""
+    g = case_rng()
     cases = [(10000.0, 128, 4.0), (10000.0, 16, 8.0), (500000.0, 64, 2.5), (1e6, 128, 16.0), (10000.0, 4, 2.0),
-             (10000.0, 64, 1.0), (20000.0, 32, 3.0)]
+             (10000.0, 64, 1.0)]
+    for _ in range(3):
+        cases.append(((1e4, 5e5, 1e6)[randint(g, 0, 2)] * (1 + torch.rand((), generator=g).item()),
+                      2 * randint(g, 2, 128), 1 + 31 * torch.rand((), generator=g).item()))
     for base, d, s in cases:
-        got = ntk_base(base, d, s)
-        if got is None:
-            raise NotSolved("return the new base as a float, not None")
-        if isinstance(got, torch.Tensor) and got.numel() == 1:
-            got = got.item()
-        expect(isinstance(got, (int, float)) and not isinstance(got, bool),
-               f"return a number (the new base); got {type(got).__name__}")
+        what = f"ntk_base(base={base:.10g}, head_dim={d}, factor={s:.10g})"
+        got = expect_number(run(ntk_base, base, d, s, what=what), what)
         expected = base * s ** (d / (d - 2))
-        case = f"ntk_base(base={base:g}, head_dim={d}, factor={s:g}) = {got:.6g}, expected {expected:.6g}"
+        case = f"{what} = {got:.6g}, expected {expected:.6g}"
         if math.isclose(got, expected, rel_tol=1e-9):
             continue
 
@@ -69,8 +86,53 @@ def check_ntk_base(ntk_base) -> None:
                       "times; the fastest pair (i = 0) never changes")
     # the same base as transformers' / attnlib's dynamic NTK at seq_len = factor * L (factor field 1.0)
     ours, _ = rope_frequencies(64, 10000.0, {"rope_type": "dynamic", "factor": 1.0}, 100, seq_len=400)
-    mine = 1.0 / float(ntk_base(10000.0, 64, 4.0)) ** (torch.arange(0, 64, 2).float() / 64)
-    expect(torch.allclose(mine, ours, rtol=1e-5), "your base does not give dynamic NTK's frequencies at 4 x L")
+    mine = 1.0 / run(ntk_base, 10000.0, 64, 4.0, what="ntk_base(10000.0, 64, 4.0)") ** (
+        torch.arange(0, 64, 2).double() / 64)
+    expect(torch.allclose(mine.float(), ours, rtol=1e-5), "your base does not give dynamic NTK's frequencies at 4 x L")
+
+
+# ---------------------------------------------------------------- 17.2
+def _measured_reach(windows: list, T: int) -> int:
+    """Inputs the last output depends on, through a residual stack of windowed attention layers (gradients)."""
+    torch.manual_seed(17)  # grade() forks the RNG: the notebook's state is untouched
+    layers = [MultiHeadAttention(8, 2, sliding_window=w) for w in windows]
+    x = torch.randn(1, T, 8, requires_grad=True)
+    h = x
+    for layer in layers:
+        h = h + layer(h)  # (1, T, 8)
+    (grad,) = torch.autograd.grad(h[0, -1].sum(), x)
+    return int((grad[0].abs().sum(-1) > 0).sum())
+
+
+@exercise("17.2")
+def check_reach(reach) -> None:
+    """Check ``reach(windows, T) -> int`` against gradients through a stack of windowed layers."""
+    g = case_rng()
+    cases = [([4, 4, 4], 16), ([3, 8], 40), ([2, 5, 3, 9], 30), ([16, 16, 16], 20), ([1, 1], 5), ([4, None, 4], 16),
+             ([None], 1)]
+    for _ in range(3):
+        windows = [None if randint(g, 0, 5) == 0 else randint(g, 1, 10) for _ in range(randint(g, 1, 5))]
+        cases.append((windows, randint(g, 1, 50)))
+    for windows, T in cases:
+        what = f"reach(windows={windows}, T={T})"
+        got = expect_int(run(reach, list(windows), T, what=what), what)
+        expected = _measured_reach(windows, T)
+        if got == expected:
+            continue
+        case = f"{what} = {got}, but the last output depends on {expected} inputs"
+        local = [w for w in windows if w is not None]
+        expect(not (None in windows and got == min(T, 1 + sum(w - 1 for w in local))),
+               f"{case}: a global layer lets the last position see every position before it, so after it the "
+               "last output can depend on all T inputs")
+        expect(not (len(set(local)) > 1 and got == min(T, 1 + len(windows) * (windows[0] - 1))),
+               f"{case}: the windows differ between layers; each layer adds its own w - 1 positions")
+        expect(got != min(T, sum(local)),
+               f"{case}: a window of w reaches w - 1 positions back (it counts the query itself), so each layer "
+               "adds w - 1, not w")
+        short = sum(w - 1 for w in local)
+        expect(got not in (short, min(T, short)), f"{case}: count the last position itself (+1)")
+        expect(got <= T, f"{case}: there are only T = {T} inputs")
+        expect(False, f"{case}")
 
 
 # ---------------------------------------------------------------- 17.3
@@ -87,18 +149,20 @@ def _streaming_reference(position: int, window: int, n_sink: int) -> list[int]:
 @exercise("17.3")
 def check_streaming_keys(streaming_keys) -> None:
     """Check ``streaming_keys(position, window, n_sink) -> list[int]`` against a SinkLayerCache."""
+    g = case_rng()
     cases = [(0, 4, 2), (3, 4, 2), (5, 4, 2), (10, 4, 2), (100, 8, 4), (9, 5, 0), (6, 3, 3), (2, 8, 4), (37, 6, 1)]
+    for _ in range(3):  # SinkLayerCache takes n_sink <= window
+        window = randint(g, 1, 12)
+        cases.append((randint(g, 0, 120), window, randint(g, 0, min(5, window))))
     for position, window, n_sink in cases:
-        got = streaming_keys(position, window, n_sink)
-        if got is None:
-            raise NotSolved("return the list of key positions, not None")
-        if isinstance(got, torch.Tensor):
-            got = got.tolist()
-        expect(isinstance(got, (list, tuple)) and all(isinstance(p, int) and not isinstance(p, bool) for p in got),
-               f"return a list of ints (absolute positions); got {got!r}")
-        got = list(got)
+        what = f"streaming_keys(position={position}, window={window}, n_sink={n_sink})"
+        got = run(streaming_keys, position, window, n_sink, what=what)
+        expect(type(got) is list, f"{what}: return a list of ints, got {type(got).__name__}"
+               + (" (use .tolist())" if isinstance(got, torch.Tensor) else ""))
+        expect(all(type(p) is int for p in got), f"{what}: return plain Python ints (absolute positions); "
+               f"got {sorted({type(p).__name__ for p in got})}")
         expected = _streaming_reference(position, window, n_sink)
-        case = f"streaming_keys(position={position}, window={window}, n_sink={n_sink}) = {got}, expected {expected}"
+        case = f"{what} = {got}, expected {expected}"
         if got == expected:
             continue
         expect(len(got) == len(set(got)),
@@ -125,85 +189,22 @@ def check_streaming_keys(streaming_keys) -> None:
         expect(False, f"{case}: the sinks 0 ... n_sink - 1, then position - window + 1 ... position")
 
 
-# ---------------------------------------------------------------- 17.2
-def _held(cache: LayerCache) -> int:
-    """Bytes of the positions the cache holds (a ring buffer's all, a plain cache's filled part)."""
-    total = 0
-    for buffer in cache.buffers:
-        n = min(cache.length, buffer.shape[-2])
-        total += buffer[..., :n, :].numel() * buffer.element_size()
-    return total
-
-
-def _measured(windows, n_kv_heads, head_dim, T, dtype, B) -> int:
-    total = 0
-    for w in windows:
-        cache = LayerCache(T) if w is None else RingLayerCache(T, w)
-        k = torch.zeros(B, n_kv_heads, T, head_dim, dtype=dtype)
-        cache.update(k, k.clone())  # the whole context at once (a prefill)
-        total += _held(cache)
-    return total
-
-
-@exercise("17.2")
-def check_pattern_cache_bytes(pattern_cache_bytes) -> None:
-    """Check ``pattern_cache_bytes(windows, n_kv_heads, head_dim, seq_len, dtype, batch_size) -> int``."""
-    cases = [  # (windows, n_kv_heads, head_dim, T, dtype, B)
-        ([5, 5, 5], 3, 8, 40, torch.float64, 1),
-        ([16] * 5 + [None] + [16] * 5 + [None], 2, 8, 100, torch.float32, 1),
-        ([None, 8, None, 8], 4, 16, 6, torch.bfloat16, 2),  # T < window
-        ([8, None] * 3, 1, 32, 50, torch.float16, 3),
-        ([None, 4, 12, 30, None], 2, 4, 20, torch.float32, 2),  # windows of several sizes
-        ([None, None], 2, 8, 9, torch.bfloat16, 1),
-    ]
-    for windows, n_kv, hd, T, dtype, B in cases:
-        got = pattern_cache_bytes(list(windows), n_kv, hd, T, dtype, B)
-        if got is None:
-            raise NotSolved("return the number of bytes as an int, not None")
-        expect(isinstance(got, int) and not isinstance(got, bool),
-               f"return a Python int (bytes); got {type(got).__name__} {got!r}")
-        expected = _measured(windows, n_kv, hd, T, dtype, B)
-        case = (f"windows={windows}, n_kv_heads={n_kv}, head_dim={hd}, seq_len={T}, dtype={dtype}, "
-                f"batch_size={B}: {got:,} bytes, the caches hold {expected:,}")
-        if got == expected:
-            continue
-        per = n_kv * hd * dtype.itemsize * B  # one position of K (or V) in one layer
-        kept = [T if w is None else min(w, T) for w in windows]
-        expect(got != sum(kept) * per, f"{case}: each layer keeps a key AND a value per position (x 2)")
-        expect(got != 2 * per * sum(T if w is None else w for w in windows),
-               f"{case}: a local layer holds min(seq_len, window) positions: fewer than its window "
-               "while the text is shorter")
-        expect(got != 2 * per * T * len(windows),
-               f"{case}: a local layer keeps only its window, not the whole context")
-        expect(got != 2 * n_kv * hd * 2 * B * sum(kept),
-               f"{case}: use dtype's element size (dtype.itemsize: {dtype.itemsize} bytes), not 2")
-        expect(got != 2 * n_kv * hd * dtype.itemsize * sum(kept),
-               f"{case}: there are batch_size={B} sequences, each with its own cache")
-        expect(got != 2 * per * sum(T if w is None else min(w + 1, T) for w in windows),
-               f"{case}: a window of w keeps w positions (the newest token included), not w + 1")
-        expect(False, f"{case}: sum over layers of 2 x n_kv_heads x head_dim x itemsize x batch_size x "
-                      "(seq_len, or min(window, seq_len))")
-
-
 # ---------------------------------------------------------------- 17.4
 @exercise("17.4")
 def check_softcap_grad(softcap_grad) -> None:
     """Check ``softcap_grad(scores, cap) -> d/ds [cap · tanh(s / cap)]`` against autograd (float64)."""
-    g = torch.Generator().manual_seed(17)
-    for cap, spread in [(50.0, 80.0), (5.0, 10.0), (1.0, 3.0), (0.3, 1.0), (30.0, 100.0)]:
-        scores = (torch.randn(2, 3, 7, 7, generator=g, dtype=torch.float64) * spread)
-        before = scores.clone()
-        got = softcap_grad(scores, cap)
-        if got is None:
-            raise NotSolved("return the derivative, a tensor shaped like scores, not None")
-        case = f"cap={cap:g}"
-        expect(torch.equal(scores, before), f"{case}: your code changed scores in place")
-        expect(isinstance(got, torch.Tensor) and got.shape == scores.shape,
-               f"{case}: return a tensor shaped like scores {tuple(scores.shape)}; got {getattr(got, 'shape', got)}")
+    g = case_rng()
+    cases = [(50.0, 80.0), (5.0, 10.0), (1.0, 3.0), (0.3, 1.0), (30.0, 100.0)]
+    cases += [(0.5 + 60 * torch.rand((), generator=g).item(), 1 + 100 * torch.rand((), generator=g).item())]
+    for cap, spread in cases:
+        scores = torch.randn(2, 3, 7, 7, generator=g, dtype=torch.float64) * spread
+        what = f"softcap_grad(scores of shape (2, 3, 7, 7) in float64, cap={cap:.4g})"
+        got = run(softcap_grad, scores, cap, what=what)
+        expect_tensor(got, what, shape=tuple(scores.shape))
+        expect(got.dtype == scores.dtype, f"{what}: the result is {got.dtype}; keep scores' dtype ({scores.dtype})")
         s = scores.clone().requires_grad_(True)
         (cap * torch.tanh(s / cap)).sum().backward()
-        expected = s.grad
-        got = got.detach().double()
+        expected, got = s.grad, got.detach()
         if torch.allclose(got, expected, rtol=1e-6, atol=1e-9):
             continue
         t = torch.tanh(scores / cap)
@@ -212,110 +213,83 @@ def check_softcap_grad(softcap_grad) -> None:
             return torch.allclose(got, x, rtol=1e-6, atol=1e-9)
 
         expect(not close(cap * (1 - t**2)),
-               f"{case}: chain rule: d/ds tanh(s/cap) = (1 - tanh^2(s/cap)) / cap, and the 1/cap cancels the "
+               f"{what}: chain rule: d/ds tanh(s/cap) = (1 - tanh^2(s/cap)) / cap, and the 1/cap cancels the "
                "cap in front")
-        expect(not close(1 - torch.tanh(scores) ** 2), f"{case}: the tanh is of s / cap, not of s")
+        expect(not close(1 - torch.tanh(scores) ** 2), f"{what}: the tanh is of s / cap, not of s")
         expect(not close(1 / torch.cosh(scores / cap)),
-               f"{case}: the derivative of tanh is sech^2 = 1 / cosh^2 = 1 - tanh^2 (squared)")
+               f"{what}: the derivative of tanh is sech^2 = 1 / cosh^2 = 1 - tanh^2 (squared)")
         expect(not close(torch.where(scores == 0, torch.ones_like(t), cap * t / scores)),
-               f"{case}: cap * tanh(s/cap) / s is the slope from the origin (the secant), not the derivative")
-        expect(False, f"{case}: differs from autograd's derivative by {(got - expected).abs().max().item():.3g}")
+               f"{what}: cap * tanh(s/cap) / s is the slope from the origin (the secant), not the derivative")
+        expect(False, f"{what}: differs from autograd's derivative by {(got - expected).abs().max().item():.3g}")
 
 
 # ---------------------------------------------------------------- 17.5
-def _yarn_variant(head_dim: int, base: float, factor: float, L: int, beta_fast: float, beta_slow: float, *,
-                  ramp_in_turns: bool = False, rounded: bool = True, clamped: bool = True,
-                  reversed_bands: bool = False) -> torch.Tensor:
-    """YaRN's frequencies, or one of the ways of getting them wrong (to name a learner's mistake)."""
-    theta = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+def _dynamic_refusal() -> Refuse:
+    """attnlib's scaled RoPE, and transformers' dynamic rule when transformers is installed."""
+    targets: list = [rope_frequencies, RotaryEmbedding]
+    try:
+        from transformers.modeling_rope_utils import _compute_dynamic_ntk_parameters
 
-    def pair(turns: float) -> float:  # the pair index that makes `turns` turns in L tokens
-        return head_dim * math.log(L / (turns * 2 * math.pi)) / (2 * math.log(base))
+        targets.append(_compute_dynamic_ntk_parameters)
+    except ImportError:  # transformers is optional: nothing of it to refuse
+        pass
+    return Refuse("compute the dynamic base and the rotation yourself", *targets)
 
-    if ramp_in_turns:  # the paper's gamma(r), linear in r = L / wavelength
-        ramp = 1 - (L * theta / (2 * math.pi) - beta_slow) / (beta_fast - beta_slow)
-    else:
-        low, high = pair(beta_fast), pair(beta_slow)
-        if rounded:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, head_dim - 1)
-        ramp = (torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)
-    if clamped:
-        ramp = ramp.clamp(0, 1)
-    if reversed_bands:
-        ramp = 1 - ramp
-    return theta / factor * ramp + theta * (1 - ramp)  # ramp 0: kept, 1: divided by factor
+
+def _dynamic_cases(g: torch.Generator) -> list[tuple[int, int, int, float, float, int]]:
+    """(n_heads, head_dim, T, base, factor, original_length): short texts, the edge T = L, long ones, random."""
+    cases = [(2, 8, 5, 10000.0, 1.0, 8), (1, 8, 8, 10000.0, 2.0, 8), (2, 16, 40, 10000.0, 1.0, 32),
+             (3, 16, 96, 500000.0, 2.0, 24), (1, 4, 40, 10000.0, 4.0, 10), (2, 32, 130, 10000.0, 1.5, 32)]
+    for _ in range(3):
+        L = randint(g, 4, 40)
+        cases.append((randint(g, 1, 3), 2 * randint(g, 2, 16), randint(g, 1, 4 * L), (1e4, 5e5)[randint(g, 0, 1)],
+                      (1.0, 1.5, 2.0, 4.0)[randint(g, 0, 3)], L))
+    return cases
 
 
 @exercise("17.5")
-def check_yarn_frequencies(yarn_frequencies) -> None:
-    """Check ``yarn_frequencies(head_dim, base, factor, original_length, beta_fast, beta_slow)``.
-
-    It must return ``(inv_freq, attention_factor)``: YaRN's frequencies ``(head_dim / 2,)`` and the
-    factor on cos and sin, equal to :func:`attnlib.positional.rope_frequencies` (which equals
-    ``transformers``' ``_compute_yarn_parameters``) for several heads, bases, factors and lengths.
-    """
-    cases = [  # (head_dim, base, factor, original_length, beta_fast, beta_slow)
-        (128, 500000.0, 8.0, 8192, 32.0, 1.0),  # Llama 3.1's heads
-        (16, 10000.0, 4.0, 32, 32.0, 1.0),  # the chapter's experiment: the fast edge below pair 0
-        (64, 10000.0, 16.0, 2048, 32.0, 1.0),
-        (128, 1e6, 4.0, 4096, 16.0, 2.0),
-        (32, 10000.0, 2.5, 512, 32.0, 1.0),
-        (64, 500000.0, 8.0, 1024, 8.0, 0.5),
-    ]
-    for d, base, s, L, fast, slow in cases:
-        got = yarn_frequencies(d, base, s, L, fast, slow)
-        if got is None:
-            raise NotSolved("return (inv_freq, attention_factor), not None")
-        expect(isinstance(got, tuple) and len(got) == 2,
-               f"return a pair (inv_freq, attention_factor); got {type(got).__name__}")
-        inv_freq, factor = got
-        if isinstance(factor, torch.Tensor) and factor.numel() == 1:
-            factor = factor.item()
-        expect(isinstance(inv_freq, torch.Tensor) and inv_freq.shape == (d // 2,),
-               f"inv_freq: a tensor of head_dim / 2 = {d // 2} frequencies; got {getattr(inv_freq, 'shape', inv_freq)}")
-        expect(isinstance(factor, (int, float)) and not isinstance(factor, bool),
-               f"attention_factor: a float; got {type(factor).__name__}")
-        case = (f"yarn_frequencies(head_dim={d}, base={base:g}, factor={s:g}, original_length={L}, "
-                f"beta_fast={fast:g}, beta_slow={slow:g})")
-        rope_scaling = {"rope_type": "yarn", "factor": s, "original_max_position_embeddings": L,
-                        "beta_fast": fast, "beta_slow": slow}
-        expected, expected_factor = rope_frequencies(d, base, rope_scaling)
-        mine = inv_freq.detach().double()
-        # the factor first: it does not depend on the frequencies
-        if not math.isclose(factor, expected_factor, rel_tol=1e-6):
-            expect(not math.isclose(factor, 1.0),
-                   f"{case}: attention_factor = 1.0, but YaRN also multiplies cos and sin by 0.1 ln(factor) + 1 "
-                   f"= {expected_factor:.4f} (temperature: sharper softmax at the longer length)")
-            expect(not math.isclose(factor, expected_factor**2, rel_tol=1e-6),
-                   f"{case}: attention_factor = {factor:.4f} is the factor on the scores (1/t); cos and sin "
-                   f"each take its square root, 0.1 ln(factor) + 1 = {expected_factor:.4f}")
-            expect(not math.isclose(factor, 0.1 * math.log10(s) + 1, rel_tol=1e-6),
-                   f"{case}: attention_factor uses the natural logarithm, ln(factor), not log10")
-            expect(False, f"{case}: attention_factor = {factor:.6g}, expected 0.1 ln(factor) + 1 = "
-                          f"{expected_factor:.6g}")
-        if torch.allclose(mine, expected.double(), rtol=1e-5, atol=0):
+def check_dynamic_scores(dynamic_scores_answer) -> None:
+    """Check ``dynamic_scores(q, k, base, factor, original_length) -> (n_heads, T)`` scores."""
+    g, refuse = case_rng(), _dynamic_refusal()
+    for h, d, T, base, factor, L in _dynamic_cases(g):
+        q = torch.randn(h, d, generator=g, dtype=torch.float64)  # the newest token's query, unrotated
+        k = torch.randn(h, T, d, generator=g, dtype=torch.float64)  # keys of positions 0 ... T - 1, unrotated
+        what = (f"dynamic_scores(q of shape {(h, d)}, k of shape {(h, T, d)}, base={base:g}, factor={factor:g}, "
+                f"original_length={L})")
+        got = run(dynamic_scores_answer, q, k, base, factor, L, what=what, refuse=refuse)
+        expect_tensor(got, what, shape=(h, T))
+        expected = dynamic_scores(q, k, base, factor, L)
+        tol = 1e-4 * max(1.0, expected.abs().max().item())
+        got = got.detach().double()
+        if (got - expected).abs().max().item() <= tol:
             continue
 
-        def close(mine=mine, args=(d, base, s, L, fast, slow), **variant):
-            return torch.allclose(mine, _yarn_variant(*args, **variant), rtol=1e-5, atol=0)
+        def close(tol=tol, got=got, args=(q, k, base, factor, L), **slip):
+            return (got - dynamic_scores(*args, **slip)).abs().max().item() <= tol
 
-        plain = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-        expect(not torch.allclose(mine, plain / s, rtol=1e-5, atol=0),
-               f"{case}: every pair divided by factor is linear scaling (position interpolation); YaRN keeps "
-               "the fast pairs (more than beta_fast turns in original_length) unchanged")
-        expect(not close(reversed_bands=True),
-               f"{case}: the bands are swapped: the fast pairs (many turns in original_length) are kept and "
-               "the slow pairs (fewer than beta_slow turns) are divided by factor, not the other way round")
-        expect(not close(ramp_in_turns=True),
-               f"{case}: a ramp linear in the number of turns r is the paper's gamma(r); the reference code "
-               "(and transformers) ramps linearly over the pair index i, between the band edges")
-        expect(not close(rounded=False),
-               f"{case}: round the band edges outward to whole pairs first: floor for the fast edge "
-               "(beta_fast), ceil for the slow edge (beta_slow)")
-        expect(not close(clamped=False),
-               f"{case}: clamp the ramp to [0, 1]: pairs outside the two edges are kept or divided by factor, "
-               "not extrapolated along the ramp")
-        worst = int((mine / expected.double() - 1).abs().argmax())
-        expect(False, f"{case}: pair {worst} turns at {mine[worst].item():.6g} radians per position, expected "
-                      f"{expected[worst].item():.6g}")
+        expect(T <= L or not close(length=L),
+               f"{what}: these are plain RoPE's scores; past original_length={L} dynamic NTK grows the base, "
+               f"for a text of T = {T} tokens")
+        expect(T >= L or not close(clamp=False),
+               f"{what}: the text is shorter than original_length={L}: up to it dynamic NTK leaves the base as it "
+               "is (transformers takes max(T, original_length)), it never shrinks it")
+        expect(not close(own_length=True),
+               f"{what}: each key rotated with the base of the length when it arrived (j + 1 tokens) is what a "
+               f"cache of keys rotated on arrival holds; the uncached pass rotates every key with the base of T = {T}")
+        expect(not close(length=T - 1), f"{what}: the text has T = {T} tokens (the newest is at position T - 1): "
+                                        "compute the base for T, not T - 1")
+        expect(not close(length=T + 1), f"{what}: the text has T = {T} tokens: compute the base for T, not T + 1")
+        expect(factor == 1 or not close(plain_ratio=True),
+               f"{what}: transformers' dynamic type stretches by s = factor * T / L - (factor - 1), not T / L")
+        expect(not close(exponent=1.0), f"{what}: the base grows by s ** (d_h / (d_h - 2)) (Exercise 17.1), not s")
+        expect(not close(query_at=T), f"{what}: the query is the newest token, at position T - 1 = {T - 1}")
+        expect(not close(query_at=0), f"{what}: the query sits at position T - 1 = {T - 1}, not 0")
+        expect(not close(scale=False), f"{what}: scale the scores by 1/sqrt(head_dim)")
+        expect(not close(interleaved=True),
+               f"{what}: rotate half-split pairs (x[i], x[i + d_h/2]), as the chapter's RoPE, not (x[2i], x[2i+1])")
+        diff = (got - expected).abs().max().item()
+        raise Wrong(f"{what}: your scores differ from an uncached pass's by up to {diff:.3g}")
+
+
+# ---------------------------------------------------------------- 17.6
+check_ring_cache = exercise("17.6")(_check_ring_cache)
