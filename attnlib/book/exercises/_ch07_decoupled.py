@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch._dynamo  # noqa: F401  (its import wraps torch.manual_seed: before the checks' snapshot)
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -19,11 +20,6 @@ from attnlib.book.exercises._core import (
     randint,
 )
 from attnlib.book.exercises._run import run
-
-# The first FlopCounterMode of a process replaces torch.manual_seed (torch._dynamo wraps it); enter one
-# now, before the checks' snapshot of torch's functions, so that the answer's run is not blamed for it.
-with FlopCounterMode(display=False):
-    torch.ones(1) + 1
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
