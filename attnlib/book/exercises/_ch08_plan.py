@@ -1,9 +1,8 @@
 """Exercise checks 08.3 (the cache's bytes from a config) and 08.4 (chunked prefill); :mod:`ch08` registers them."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
+import torch._dynamo  # noqa: F401  (its import wraps torch.manual_seed: before the checks' snapshot)
 from torch import nn
 
 import attnlib
@@ -12,11 +11,15 @@ import attnlib.cache.memory
 from attnlib.book.exercises._core import (
     NotSolved,
     Wrong,
-    call_for_int,
+    case_rng,
     exercise,
     expect,
     expect_close,
+    expect_int,
+    expect_tensor,
+    randint,
 )
+from attnlib.book.exercises._run import Refuse, run
 from attnlib.cache import KVCache
 from attnlib.models.config import GPTConfig
 from attnlib.models.layers import build_attention
@@ -43,7 +46,18 @@ _BYTES_CALLS = [
 ]
 
 
+_MEASURED: dict[tuple[str, torch.dtype], int] = {}
+
+
 def _measured_bytes_per_token(config: GPTConfig, dtype: torch.dtype) -> int:
+    """:func:`_measure` once per config and dtype (a GPT-2-sized model takes a while, even on meta)."""
+    key = (repr(config), dtype)
+    if key not in _MEASURED:
+        _MEASURED[key] = _measure(config, dtype)
+    return _MEASURED[key]
+
+
+def _measure(config: GPTConfig, dtype: torch.dtype) -> int:
     """Bytes one token of one sequence takes in a KVCache, measured on the buffers.
 
     The layers are built on the meta device (shapes, no memory) and each runs on a meta
@@ -58,33 +72,45 @@ def _measured_bytes_per_token(config: GPTConfig, dtype: torch.dtype) -> int:
     return cache.bytes_per_token()
 
 
-class _BuiltAModel(RuntimeError):
-    pass
+#: 08.3's rule: the bytes from the config's fields. Building any module (GPT, a layer) runs
+#: nn.Module.__init__; the library's estimator is refused under every name it is reached by.
+_FROM_CONFIG = Refuse(
+    "compute the bytes from the config's fields; do not build a model or an attention layer, and do "
+    "not call attnlib's own estimator", nn.Module.__init__, attnlib.cache.memory.kv_cache_bytes)
+_RENAMED = {"kv_heads": "n_kv_heads", "latent_dim": "kv_latent_dim"}
 
 
-@contextlib.contextmanager
-def _from_config_only():
-    """Make building a module, or calling the library's estimator, raise (rule of 08.3)."""
-    message = (
-        "compute the bytes from the config's fields; do not build a model or an attention "
-        "layer, and do not call attnlib's own estimator"
-    )
-
-    def refuse(*args, **kwargs):
-        raise _BuiltAModel(message)
-
-    # the estimator under each name the library exports it by
-    modules = (attnlib, attnlib.cache, attnlib.cache.memory)
-    saved = nn.Module.__init__, [m.kv_cache_bytes for m in modules]
-    nn.Module.__init__ = refuse
-    for module in modules:
-        module.kv_cache_bytes = refuse
+def _bytes_call(fn, config: GPTConfig, args: tuple, case: str) -> int:
+    """The learner's byte count as a Python int, or a hint that names the mistake (see :func:`call_for_int`)."""
     try:
-        yield
-    finally:
-        nn.Module.__init__ = saved[0]
-        for module, estimator in zip(modules, saved[1]):
-            module.kv_cache_bytes = estimator
+        got = run(fn, config, *args, what=case, refuse=_FROM_CONFIG)
+    except Wrong as e:
+        for old, new in _RENAMED.items():
+            if f"has no attribute '{old}'" in str(e):
+                raise Wrong(f"{e}. attnlib 2.0's config resolves the values its layers use under the fields' own "
+                            f"names: config.{new}, not config.{old}") from None
+        if "NoneType" in str(e) and "TypeError" in str(e) and config.kv_latent_dim is None:
+            raise Wrong(f"{e}. config.kv_latent_dim is None for attention={config.attention!r}: only MLA caches "
+                        "a latent. A dict of every variant's formula computes them all; compute only the one for "
+                        "config.attention") from None
+        raise
+    if got is None:
+        raise NotSolved("return the number of bytes as an int, not None")
+    return expect_int(got, case)
+
+
+def _bytes_configs(g: torch.Generator) -> list[GPTConfig]:
+    """The fixed configs and a fresh one of each variant (sizes drawn with ``g``)."""
+    configs = list(_BYTES_CONFIGS)
+    for attention in ("mha", "gqa", "mqa", "mla"):
+        n_kv = randint(g, 1, 3)
+        n_heads = n_kv * randint(g, 2, 3)
+        extra = dict(n_kv_heads=n_kv) if attention == "gqa" else {}
+        if attention == "mla" and randint(g, 0, 1):
+            extra = dict(kv_latent_dim=randint(g, 3, 40))
+        configs.append(GPTConfig(n_layers=randint(g, 1, 7), n_heads=n_heads, d_model=n_heads * 2 * randint(g, 2, 8),
+                                 block_size=64, attention=attention, **extra))
+    return configs
 
 
 @exercise("08.3")
@@ -94,10 +120,12 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
     The expected value is measured: bytes per token of a KVCache filled by the layers
     (meta device), times batch_size * context.
     """
+    g = case_rng()
     failures = []  # (case, {mistake: hint} of the mistakes that explain it)
-    for config in _BYTES_CONFIGS:
+    for config in _bytes_configs(g):
         measured = {}
-        for batch_size, context, dtype in _BYTES_CALLS:
+        calls = _BYTES_CALLS + [(randint(g, 3, 9), randint(g, 1, 64), torch.bfloat16)]
+        for batch_size, context, dtype in calls:
             context = config.block_size if context is None else context
             case = (
                 f"kv_cache_bytes(attention={config.attention!r}, n_layers={config.n_layers}, "
@@ -105,10 +133,7 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
                 f"head_dim={config.head_dim}, kv_latent_dim={config.kv_latent_dim}; "
                 f"batch_size={batch_size}, context={context}, {dtype})"
             )
-            with _from_config_only():
-                got = call_for_int(
-                    kv_cache_bytes, (config, batch_size, context, dtype), case, config
-                )
+            got = _bytes_call(kv_cache_bytes, config, (batch_size, context, dtype), case)
             if dtype not in measured:
                 measured[dtype] = _measured_bytes_per_token(config, dtype)
             size = dtype.itemsize
@@ -220,19 +245,25 @@ _CHUNK_CASES = [  # (attention, overrides, B, T, chunk_size)
 ]
 
 
+def _chunk_cases(g: torch.Generator) -> list:
+    chunk = randint(g, 2, 5)
+    return _CHUNK_CASES + [(("mha", "gqa", "mla")[randint(g, 0, 2)], {}, randint(g, 1, 2),
+                            chunk * randint(g, 1, 3) + randint(g, 1, chunk - 1), chunk)]
+
+
 @exercise("08.4")
 def check_chunked_prefill(chunked_prefill) -> None:
     """Check ``chunked_prefill(model, idx, chunk_size) -> (logits, cache)`` on several GPTs.
 
-    Every forward call of the model is recorded: none may receive more than chunk_size
-    tokens. The logits must equal one forward pass of the whole prompt, and the cache must
-    go on decoding as if the prompt had been prefilled at once.
+    Every call of the model is recorded, and every batch of tokens its embedding sees: none may
+    hold more than chunk_size tokens. The logits must equal one forward pass of the whole
+    prompt, and the cache must go on decoding as if the prompt had been prefilled at once.
     """
     from attnlib import GPT
 
-    g = torch.Generator().manual_seed(804)
+    g = case_rng()
     base = GPTConfig(vocab_size=13, block_size=16, n_layers=2, n_heads=4, d_model=32)
-    for name, overrides, B, T, chunk in _CHUNK_CASES:
+    for name, overrides, B, T, chunk in _chunk_cases(g):
         config = base.replace(attention=name, **overrides)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=g)))
@@ -244,7 +275,7 @@ def check_chunked_prefill(chunked_prefill) -> None:
             after, _ = model(torch.cat([idx, nxt], dim=1))
         case = f"chunked_prefill({name} GPT, idx of shape {(B, T)}, chunk_size={chunk})"
 
-        calls = []
+        calls, embedded = [], []
         forward = model.forward
 
         def recording_forward(idx_in, *args, _calls=calls, _forward=forward, **kwargs):
@@ -252,57 +283,37 @@ def check_chunked_prefill(chunked_prefill) -> None:
             _calls.append((idx_in.shape[-1], cache))
             return _forward(idx_in, *args, **kwargs)
 
-        model.forward = recording_forward
+        model.forward = recording_forward  # the calls and their caches, for the hints
+        hook = model.tok_emb.register_forward_hook(lambda m, i, o, _e=embedded: _e.append(i[0].shape[-1]))
         try:
             with torch.no_grad():
-                out = chunked_prefill(model, idx.clone(), chunk)
+                out = run(chunked_prefill, model, idx, chunk, what=case, copy_args=False)
         finally:
             del model.forward
+            hook.remove()
         if out is None:
             raise NotSolved("return (logits, cache), not None")
-        expect(
-            isinstance(out, (tuple, list)) and len(out) == 2,
-            f"{case}: return a pair (logits, cache); got {type(out).__name__}",
-        )
+        expect(type(out) is tuple and len(out) == 2, f"{case}: return a pair (logits, cache); got {type(out).__name__}")
         logits, cache = out
-        expect(calls, f"{case}: the model was never called; feed the chunks through model(...)")
-        biggest = max(n for n, _ in calls)
-        expect(
-            biggest <= chunk,
-            f"{case}: a forward call got {biggest} tokens, more than chunk_size={chunk}; "
-            "feed idx[:, s : s + chunk_size] for s = 0, chunk_size, 2 * chunk_size, ...",
-        )
-        expect(
-            all(c is not None for _, c in calls),
-            f"{case}: a forward call got no cache; pass the same KVCache to every chunk so "
-            "that each chunk sees the chunks before it",
-        )
-        expect(
-            len({id(c) for _, c in calls}) == 1,
-            f"{case}: the chunks went through different caches; create ONE KVCache (model.new_cache()) and "
-            "pass it to every chunk, so that each chunk sees the chunks before it",
-        )
-        expect(
-            isinstance(logits, torch.Tensor),
-            f"{case}: the logits should be a tensor; got {type(logits).__name__}",
-        )
-        expect(
-            isinstance(cache, KVCache),
-            f"{case}: return the KVCache the chunks filled; got {type(cache).__name__}",
-        )
-        expect(
-            cache.length == T,
-            f"{case}: the cache holds {cache.length} positions, expected T={T}: the chunks "
-            "overlap or leave tokens out",
-        )
-        expect(
-            tuple(logits.shape) == tuple(reference.shape),
-            f"{case}: logits of shape {tuple(logits.shape)}, expected (B, T, vocab_size) = "
-            f"{tuple(reference.shape)}: concatenate the logits of every chunk on dim 1",
-        )
+        expect(embedded, f"{case}: the model was never called; feed the chunks through model(...)")
+        expect(max(embedded) <= chunk,
+               f"{case}: a forward call got {max(embedded)} tokens, more than chunk_size={chunk}; "
+               "feed idx[:, s : s + chunk_size] for s = 0, chunk_size, 2 * chunk_size, ...")
+        expect(all(c is not None for _, c in calls),
+               f"{case}: a forward call got no cache; pass the same KVCache to every chunk so "
+               "that each chunk sees the chunks before it")
+        expect(len({id(c) for _, c in calls}) <= 1,
+               f"{case}: the chunks went through different caches; create ONE KVCache (model.new_cache()) and "
+               "pass it to every chunk, so that each chunk sees the chunks before it")
+        expect_tensor(logits, f"{case}: the logits")
+        expect(type(cache) is KVCache, f"{case}: return the KVCache the chunks filled; got {type(cache).__name__}")
+        expect(cache.length == T,
+               f"{case}: the cache holds {cache.length} positions, expected T={T}: the chunks overlap or leave "
+               "tokens out")
+        expect(tuple(logits.shape) == tuple(reference.shape),
+               f"{case}: logits of shape {tuple(logits.shape)}, expected (B, T, vocab_size) = "
+               f"{tuple(reference.shape)}: concatenate the logits of every chunk on dim 1")
         expect_close(logits, reference, f"{case}: the logits")
         with torch.no_grad():
             next_logits, _ = model(nxt, cache=cache)
-        expect_close(
-            next_logits, after[:, -1:], f"{case}: a decode step after the chunked prefill"
-        )
+        expect_close(next_logits, after[:, -1:], f"{case}: a decode step after the chunked prefill")

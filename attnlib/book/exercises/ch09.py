@@ -7,15 +7,27 @@
   (memory; Bahdanau et al. write ``h_j``)
 * 09.3 ``rank_auc(scores, labels)`` -> float: ROC AUC from ranks, ties counted one half
 
-The graders draw their random inputs from a local ``torch.Generator``; ``grade`` runs them inside
-``torch.random.fork_rng``, so checking an answer never changes the notebook's random state.
+Every learner call goes through :func:`run`; each check has fixed edge cases and fresh ones drawn
+from :func:`case_rng`.
 """
 from __future__ import annotations
 
 import torch
+import torch._dynamo  # noqa: F401  (its import wraps torch.manual_seed: before the checks' snapshot)
+import torch.nn.functional as F
 
 from attnlib.attention import attention
-from attnlib.book.exercises._core import NotSolved, exercise, expect, expect_close
+from attnlib.book.exercises._core import (
+    NotSolved,
+    case_rng,
+    exercise,
+    expect,
+    expect_close,
+    expect_number,
+    expect_tensor,
+    randint,
+)
+from attnlib.book.exercises._run import Refuse, run
 
 __all__ = ["check_additive_attention", "check_cross_attention_weights", "check_rank_auc"]
 
@@ -27,45 +39,63 @@ def _reference_cross_weights(q, k, attention_mask):
     return attention(q, k, v, mask)[1]
 
 
+#: 09.1 asks for the weights written out: attnlib's attention (which returns them) and SDPA are refused.
+_BY_HAND = Refuse("write the weights with tensor operations, not with attnlib's attention or SDPA",
+                  attention, F.scaled_dot_product_attention,
+                  # torch.ops.aten.scaled_dot_product_attention decomposes before a dispatch mode sees it;
+                  # its math path is the only user of aten._safe_softmax (torch.softmax is aten._softmax)
+                  aten=("scaled_dot_product", "_safe_softmax"))
+
+
+def _lengths_mask(lengths: list[int], T_k: int) -> torch.Tensor:
+    return torch.arange(T_k)[None, :] < torch.tensor(lengths)[:, None]  # (B, T_k), True = real
+
+
 @exercise("09.1")
 def check_cross_attention_weights(fn) -> None:
     """Check one head of cross-attention weights with a key padding mask against ``attnlib.attention.attention``."""
-    g = torch.Generator().manual_seed(91)
-    cases = [
-        ("T_q=3 queries over T_k=5 keys, no mask", torch.randn(2, 3, 4, generator=g), torch.randn(2, 5, 4, generator=g),
-         None),
-        ("T_q=4 over T_k=6 with lengths (6, 2)", torch.randn(2, 4, 8, generator=g), torch.randn(2, 6, 8, generator=g),
-         torch.arange(6)[None, :] < torch.tensor([6, 2])[:, None]),
-        ("T_q=5 over T_k=3 (more queries than keys) with lengths (3, 1)", torch.randn(2, 5, 4, generator=g),
-         torch.randn(2, 3, 4, generator=g), torch.arange(3)[None, :] < torch.tensor([3, 1])[:, None]),
-        ("a context with no real position (length 0)", torch.randn(2, 2, 4, generator=g),
-         torch.randn(2, 3, 4, generator=g), torch.arange(3)[None, :] < torch.tensor([3, 0])[:, None]),
+    g = case_rng()
+    sizes = [  # (what, B, T_q, T_k, d, lengths or None)
+        ("T_q=3 queries over T_k=5 keys, no mask", 2, 3, 5, 4, None),
+        ("T_q=4 over T_k=6 with lengths (6, 2)", 2, 4, 6, 8, [6, 2]),
+        ("T_q=5 over T_k=3 (more queries than keys) with lengths (3, 1)", 2, 5, 3, 4, [3, 1]),
+        ("a context with no real position (length 0)", 2, 2, 3, 4, [3, 0]),
     ]
-    for what, q, k, mask in cases:
-        expected = _reference_cross_weights(q, k, mask)
-        answer = fn(q.clone(), k.clone(), None if mask is None else mask.clone())
+    B, T_q, T_k = randint(g, 1, 4), randint(g, 1, 7), randint(g, 2, 9)
+    lengths = torch.randint(0, T_k + 1, (B,), generator=g).tolist()
+    sizes.append((f"T_q={T_q} over T_k={T_k} with lengths {tuple(lengths)}", B, T_q, T_k, randint(g, 2, 9), lengths))
+    for what, B, T_q, T_k, d, lengths in sizes:
+        q, k = torch.randn(B, T_q, d, generator=g), torch.randn(B, T_k, d, generator=g)
+        mask = None if lengths is None else _lengths_mask(lengths, T_k)
         label = f"cross_attention_weights with {what}"
-        expect(isinstance(answer, torch.Tensor), f"{label} should return a torch.Tensor, got {type(answer).__name__}")
-        expect(tuple(answer.shape) == tuple(expected.shape),
-               f"{label} returned shape {tuple(answer.shape)}, expected (B, T_q, T_k) = {tuple(expected.shape)}")
+        answer = run(fn, q, k, mask, what=label, refuse=_BY_HAND)
+        if answer is None:
+            raise NotSolved("return the weights of shape (B, T_q, T_k), not None")
+        expected = _reference_cross_weights(q, k, mask)
+        expect_tensor(answer, label, shape=tuple(expected.shape), dtype=q.dtype)
         answer = answer.detach().double()
         expect(not bool(torch.isnan(answer).any()),
                f"{label} contains NaN: a query whose context has no real position must get zero weights")
         if mask is not None:
+            empty = ~mask.any(-1)  # (B,): contexts with no real position
+            if bool(empty.any()) and torch.allclose(answer[empty], torch.full_like(answer[empty], 1 / T_k)):
+                expect(False, f"{label}: a query whose context has no real position gets the uniform weights "
+                              f"1/T_k = {1 / T_k:.3g}: a finite fill (such as -1e9) makes every score of that row "
+                              "equal; zero the weights of rows with no real key")
             expect(bool((answer.masked_select(~mask[:, None, :].expand_as(answer)) == 0).all()),
                    f"{label}: a padded key (mask False) got a non-zero weight; mask the scores of the keys (last axis), "
                    f"True = real")
-        T_q, T_k = q.shape[1], k.shape[1]
         ones = torch.ones(T_q, T_k, dtype=torch.bool)
         for tril in (ones.tril(), ones.tril(T_k - T_q)):
             # the source's bug: a lower triangle over the context's keys (top-left or bottom-right aligned)
             full = tril[None] if mask is None else tril & mask[:, None, :]  # (1 or B, T_q, T_k): the scores' rank
             with_tril = attention(q, k, torch.zeros(*k.shape[:-1], 1), full)[1].double()
-            expect(torch.equal(tril, torch.ones_like(tril)) or not torch.allclose(answer, with_tril, atol=1e-6),
+            same = torch.allclose(with_tril.nan_to_num(), expected.double().nan_to_num(), atol=1e-6)
+            expect(same or not torch.allclose(answer, with_tril.nan_to_num(), atol=1e-6),
                    f"{label}: your weights are zero above a diagonal; cross-attention has no causal mask, "
                    f"every query may see every real key of the context")
         unscaled = _reference_cross_weights(q * q.shape[-1] ** 0.5, k, mask)
-        expect(not torch.allclose(answer, unscaled.double(), atol=1e-6),
+        expect(torch.allclose(unscaled, expected, atol=1e-6) or not torch.allclose(answer, unscaled.double(), atol=1e-6),
                f"{label}: scale the scores by 1/sqrt(d) before the softmax")
         expect_close(answer, expected.double(), label, atol=1e-5)
 
@@ -90,13 +120,16 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 @exercise("09.2")
 def check_additive_attention(fn) -> None:
     """Check Bahdanau-style additive cross-attention against a reference (weights and context)."""
-    g = torch.Generator().manual_seed(92)
+    g = case_rng()
     cases = [  # (B, T_q, T_k, d_s, d_m, d_a, lengths)
         (2, 3, 5, 4, 6, 7, None),
         (2, 4, 6, 5, 3, 8, (6, 2)),
         (3, 5, 3, 4, 4, 4, (3, 1, 2)),  # more queries than keys
         (1, 1, 7, 2, 5, 3, (4,)),
     ]
+    B, T_k = randint(g, 1, 3), randint(g, 2, 8)
+    cases.append((B, randint(g, 1, 6), T_k, randint(g, 2, 6), randint(g, 2, 6), randint(g, 2, 9),
+                  tuple(torch.randint(1, T_k + 1, (B,), generator=g).tolist())))
     for B, T_q, T_k, d_s, d_m, d_a, lengths in cases:
         s = torch.randn(B, T_q, d_s, generator=g)
         m = torch.randn(B, T_k, d_m, generator=g)
@@ -104,17 +137,19 @@ def check_additive_attention(fn) -> None:
         W_m = torch.randn(d_a, d_m, generator=g) / d_m**0.5
         w = torch.randn(d_a, generator=g)
         mask = None if lengths is None else torch.arange(T_k)[None, :] < torch.tensor(lengths)[:, None]
-        given = [t.clone() for t in (s, m, W_s, W_m, w)]
         label = (f"additive_attention with B={B}, T_q={T_q}, T_k={T_k}, d_s={d_s}, d_m={d_m}, "
                  f"d_a={d_a}, " + ("no mask" if mask is None else f"lengths {lengths}"))
-        out = fn(s, m, W_s, W_m, w, None if mask is None else mask.clone())
+        out = run(fn, s, m, W_s, W_m, w, mask, what=label)
         if out is None:
             raise NotSolved("return (context, weights), not None")
-        expect(isinstance(out, (tuple, list)) and len(out) == 2,
+        expect(type(out) is tuple and len(out) == 2,
                f"{label}: return a pair (context, weights); got {type(out).__name__}")
         context, weights = out
-        expect(all(torch.equal(a, b) for a, b in zip((s, m, W_s, W_m, w), given)),
-               f"{label}: your function changed one of its inputs")
+        expect_tensor(weights, f"{label}: the weights")
+        expect_tensor(context, f"{label}: the context")
+        if weights.dim() == 3 and tuple(context.shape) == (B, T_q, T_k) != (B, T_q, d_m) \
+                and tuple(weights.shape) == (B, T_q, d_m):
+            expect(False, f"{label}: return (context, weights) in this order; yours are the other way round")
         expected_c, expected_w = _additive(s, m, W_s, W_m, w, mask)
         expect(isinstance(weights, torch.Tensor) and tuple(weights.shape) == tuple(expected_w.shape),
                f"{label}: weights should have shape (B, T_q, T_k) = {tuple(expected_w.shape)}; got "
@@ -160,26 +195,30 @@ def _pairwise_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
 @exercise("09.3")
 def check_rank_auc(fn) -> None:
     """Check a rank-based AUC against counting pairs, with and without ties."""
-    g = torch.Generator().manual_seed(93)
+    g = case_rng()
+    n = randint(g, 50, 400)
     cases = [
-        ("continuous scores (no ties)", torch.randn(200, generator=g), (torch.rand(200, generator=g) < 0.3).long()),
+        ("continuous scores (no ties)", torch.randn(n, generator=g), (torch.rand(n, generator=g) < 0.3).long()),
         ("scores with many ties (rounded to 1 decimal)", torch.randn(300, generator=g).round(decimals=1),
          (torch.rand(300, generator=g) < 0.5).long()),
         ("a perfect ranking", torch.arange(10.0), (torch.arange(10) >= 6).long()),
         ("all scores equal", torch.zeros(8), torch.tensor([0, 1, 0, 1, 1, 0, 0, 0])),
         ("float labels 0.0/1.0", torch.randn(50, generator=g), (torch.rand(50, generator=g) < 0.5).float()),
+        ("integer scores (a tie in almost every pair)", torch.randint(0, 4, (n,), generator=g),
+         (torch.rand(n, generator=g) < 0.4).long()),
     ]
     for what, scores, labels in cases:
-        expected = _pairwise_auc(scores, labels)
-        answer = fn(scores.clone(), labels.clone())
+        if not 0 < int((labels == 1).sum()) < len(labels):  # a fresh draw with one class only: give it both
+            labels[0], labels[1] = 1, 0
         label = f"rank_auc with {what}"
-        if isinstance(answer, torch.Tensor):
-            expect(answer.numel() == 1, f"{label} should return one number, got a tensor of shape {tuple(answer.shape)}")
-            answer = answer.item()
-        expect(isinstance(answer, (float, int)), f"{label} should return a float, got {type(answer).__name__}")
+        answer = run(fn, scores, labels, what=label)
+        if answer is None:
+            raise NotSolved("return the AUC as a float, not None")
+        answer = expect_number(answer, label)
+        expected = _pairwise_auc(scores.double(), labels)
         if abs(answer - (1 - expected)) < 1e-6 and abs(expected - 0.5) > 1e-3:
             expect(False, f"{label} gave {answer:.4f}, expected {expected:.4f}: you ranked the scores in the wrong "
-                        f"direction (rank 1 = the lowest score)")
+                          f"direction (rank 1 = the lowest score)")
         n_pos = int((labels == 1).sum())
         from_zero = expected - n_pos / (n_pos * (len(labels) - n_pos))
         expect(abs(answer - from_zero) > 1e-9 or abs(answer - expected) < 1e-6,
