@@ -89,6 +89,8 @@ class _Watch(TorchFunctionMode):
         label = self.refuse.torch_functions.get(func)
         if label is None:
             label = self.refuse.torch_functions.get(getattr(func, "__wrapped__", None))
+        if label is None and str(func).startswith("aten.") and any(p in str(func) for p in self.refuse.aten):
+            label = str(func)  # torch.ops.aten.x(...) called directly: seen here before it decomposes
         if label is not None:
             self.calls.append(label)
             raise Wrong(f"{self.refuse.why}: your code called {label}")
