@@ -229,3 +229,8 @@ def test_the_learners_exception_names_its_line(exercise_id, monkeypatch):
 def test_the_tables_cover_every_chapter():
     notebooks = {p.name[:2] for p in (Path(__file__).parents[1] / "notebooks").glob("[0-9][0-9]_*.ipynb")}
     assert set(CHAPTERS) == notebooks
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_every_chapter_has_at_least_three_exercises(chapter):
+    assert sum(i.startswith(f"{chapter}.") for i in IDS) >= 3
