@@ -30,11 +30,12 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from attnlib.book.exercises._core import NotSolved, Wrong, _learner_code, _raised_by_learner
 from attnlib.book.exercises._guard import restore, tampered
 
-__all__ = ["Refuse", "run"]
+__all__ = ["Refuse", "run", "tensors_in"]
 
 
 class Refuse:
@@ -284,3 +285,8 @@ def _arg_name(fn: Any, i: int) -> str:
     except (TypeError, ValueError):
         return f"#{i + 1}"
 
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor inside ``value`` (nested lists, tuples, dicts)."""
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
