@@ -2,9 +2,9 @@
 them, a stub is not solved."""
 import math
 
-import pytest
 import torch
 import torch.nn.functional as F
+from exercise_table import Answers
 
 from attnlib.book.exercises import grade
 from attnlib.positional import sinusoidal_encoding
@@ -49,25 +49,12 @@ def hard_coded_k1(k, d_model):  # right for the first offset only
     return shift(1, d_model)
 
 
-def test_10_1_correct():
-    assert grade("10.1", shift).status == "correct"
-    assert grade("10.1", shift_by_least_squares).status == "correct"
+def returns_blocks(k, d_model):  # the 2x2 blocks stacked, not placed on a diagonal
+    return torch.stack([shift(k, 2)] * (d_model // 2))
 
 
-@pytest.mark.parametrize("answer, phrase", [
-    (transposed, "shifts by -"),
-    (wrong_exponent, "10000^(-2i/d_model)"),
-    (identity, "identity"),
-    (sin_cos_swapped, "PE[pos + "),
-    (hard_coded_k1, "PE[pos + "),
-])
-def test_10_1_wrong(answer, phrase):
-    verdict = grade("10.1", answer)
-    assert verdict.status == "wrong" and phrase in verdict.detail
-
-
-def test_10_1_stub():
-    assert grade("10.1", stub).status == "not solved yet"
+def as_numpy(k, d_model):
+    return shift(k, d_model).numpy()
 
 
 # 10.2 label smoothing ----------------------------------------------------------
@@ -144,29 +131,34 @@ def kl_divergence(logits, targets, eps, pad_id):  # the Annotated Transformer's 
     return kl[targets != pad_id].mean()
 
 
-def test_10_2_correct():
-    assert grade("10.2", smoothed).status == "correct"
+def through_the_module_class(logits, targets, eps, pad_id):
+    loss = torch.nn.CrossEntropyLoss(ignore_index=pad_id, label_smoothing=eps)
+    return loss(logits.flatten(0, 1), targets.flatten())
 
 
-@pytest.mark.parametrize("answer, phrase", [
-    (uses_cross_entropy, "do not call F.cross_entropy"),
-    (no_smoothing, "plain cross-entropy"),
-    (padding_included, "padding positions"),
-    (spread_over_others, "V - 1 other tokens"),
-    (summed, "sum over positions"),
-    (probabilities_not_logs, "smoothed loss"),
-    (in_place, "in place"),
-    (zeroed_but_counted, "not by B * T"),
-    (eps_on_every_token, "eps/|V| each"),
-    (kl_divergence, "KL divergence"),
-])
-def test_10_2_wrong(answer, phrase):
-    verdict = grade("10.2", answer)
-    assert verdict.status == "wrong" and phrase in verdict.detail
+def through_aten(logits, targets, eps, pad_id):  # reduction 1 = mean
+    return torch.ops.aten.cross_entropy_loss(logits.flatten(0, 1), targets.flatten(), None, 1, pad_id, eps)
 
 
-def test_10_2_stub():
-    assert grade("10.2", stub).status == "not solved yet"
+def through_c_function(logits, targets, eps, pad_id):
+    return torch._C._nn.cross_entropy_loss(logits.flatten(0, 1), targets.flatten(), None, 1, pad_id, eps)
+
+
+def smoothed_from_q(logits, targets, eps, pad_id):  # another way: the target distribution q itself
+    logp = F.log_softmax(logits, dim=-1)
+    q = torch.full_like(logp, eps / logits.shape[-1])
+    q = q.scatter_add(-1, targets[..., None], torch.full_like(logp[..., :1], 1 - eps))
+    loss = -(q * logp).sum(-1)
+    keep = (targets != pad_id).float()
+    return (loss * keep).sum() / keep.sum()
+
+
+def as_float(logits, targets, eps, pad_id):
+    return smoothed(logits, targets, eps, pad_id).item()
+
+
+def one_element(logits, targets, eps, pad_id):
+    return smoothed(logits, targets, eps, pad_id).reshape(1)
 
 
 # 10.3 the decoder's mask -----------------------------------------------------
@@ -212,24 +204,85 @@ def strictly_lower(tgt, pad_id):  # tril(-1): a query cannot see itself
     return torch.ones(T, T, dtype=torch.bool).tril(-1) & (tgt != pad_id)[:, None, None, :]
 
 
-def test_10_3_correct():
-    assert grade("10.3", mask).status == "correct"
+def mask_from_arange(tgt, pad_id):  # another way: compare positions
+    pos = torch.arange(tgt.shape[1])
+    return (pos[None, :] <= pos[:, None])[None, None] & (tgt != pad_id)[:, None, None, :]
 
 
-@pytest.mark.parametrize("answer, phrase", [
-    (padding_queries, "padding QUERIES (rows)"),
-    (causal_only, "padding KEYS"),
-    (upper_triangle, "lower triangle"),
-    (no_head_axis, "(B, 1, T, T)"),
-    (float_mask, "boolean tensor"),
-    (inverted, "inverted"),
-    (rows_and_keys, "padding QUERIES (rows) were masked too"),
-    (strictly_lower, "diagonal is masked"),
-])
-def test_10_3_wrong(answer, phrase):
-    verdict = grade("10.3", answer)
-    assert verdict.status == "wrong" and phrase in verdict.detail
+class AlwaysEqual(torch.Tensor):  # a subclass whose == and equal are always true
+    def __eq__(self, other):
+        return True
 
 
-def test_10_3_stub():
-    assert grade("10.3", stub).status == "not solved yet"
+def subclass_mask(tgt, pad_id):
+    return mask(tgt, pad_id).as_subclass(AlwaysEqual)
+
+
+def memorised_mask(tgt, pad_id):  # right for batches of two, causal only otherwise
+    return mask(tgt, pad_id) if tgt.shape[0] == 2 else causal_only(tgt, pad_id)
+
+
+def test_stubs_are_not_solved():
+    for exercise_id in ("10.1", "10.2", "10.3"):
+        assert grade(exercise_id, stub).status == "not solved yet"
+
+
+ANSWERS = {
+    "10.1": Answers(
+        correct=[shift, shift_by_least_squares],
+        wrong=[
+            (transposed, "shifts by -"),
+            (wrong_exponent, "10000^(-2i/d_model)"),
+            (identity, "identity"),
+            (sin_cos_swapped, "PE[pos + "),
+            (hard_coded_k1, "PE[pos + "),
+            (returns_blocks, "has shape"),
+            (as_numpy, "should be a torch.Tensor"),
+        ],
+    ),
+    "10.2": Answers(
+        correct=[smoothed, smoothed_from_q],
+        wrong=[
+            (uses_cross_entropy, "without F.cross_entropy"),
+            (through_the_module_class, "without F.cross_entropy"),
+            (through_aten, "without F.cross_entropy"),
+            (through_c_function, "without F.cross_entropy"),
+            (no_smoothing, "plain cross-entropy"),
+            (padding_included, "padding positions"),
+            (spread_over_others, "V - 1 other tokens"),
+            (summed, "sum over positions"),
+            (probabilities_not_logs, "smoothed loss"),
+            (in_place, "in place"),
+            (zeroed_but_counted, "not by B * T"),
+            (eps_on_every_token, "eps/|V| each"),
+            (kl_divergence, "KL divergence"),
+            (as_float, "should be a torch.Tensor"),
+            (one_element, "shape ()"),
+        ],
+    ),
+    "10.3": Answers(
+        correct=[mask, mask_from_arange],
+        wrong=[
+            (padding_queries, "padding QUERIES (rows)"),
+            (causal_only, "padding KEYS"),
+            (upper_triangle, "lower triangle"),
+            (no_head_axis, "(B, 1, T, T)"),
+            (float_mask, "boolean tensor"),
+            (inverted, "inverted"),
+            (rows_and_keys, "padding QUERIES (rows) were masked too"),
+            (strictly_lower, "diagonal is masked"),
+            (subclass_mask, "should be a torch.Tensor"),
+            (memorised_mask, "padding KEYS"),
+        ],
+    ),
+}
+
+
+def through_aten_caught(logits, targets, eps, pad_id):  # catches the refusal and falls back
+    try:
+        return through_aten(logits, targets, eps, pad_id)
+    except Exception:
+        return smoothed(logits, targets, eps, pad_id)
+
+
+ANSWERS["10.2"].wrong.append((through_aten_caught, "without F.cross_entropy"))

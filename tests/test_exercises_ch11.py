@@ -2,11 +2,11 @@
 names them, stubs are 'not solved yet'."""
 import re
 
-import pytest
 import regex
 import torch
+from exercise_table import Answers
 
-from attnlib.book.exercises import CORRECT, WRONG, grade
+from attnlib.book.exercises import grade
 
 
 def stub(*args):
@@ -81,82 +81,171 @@ def unk_at_max_chars(word, vocab, unk="[UNK]", max_chars=100):  # >= instead of 
     return [unk] if len(word) >= max_chars else wordpiece(word, vocab, unk, max_chars)
 
 
-def test_11_1_reference_is_correct():
-    assert grade("11.1", wordpiece).status == CORRECT
+def wordpiece_recursive(word, vocab, unk="[UNK]", max_chars=100):  # another way: longest prefix, recurse
+    def rest(start):
+        if start == len(word):
+            return []
+        for end in range(len(word), start, -1):
+            piece = ("##" if start else "") + word[start:end]
+            if piece in vocab:
+                tail = rest(end)
+                return None if tail is None else [piece] + tail
+        return None
+
+    pieces = rest(0) if len(word) <= max_chars else None
+    return [unk] if pieces is None else pieces
 
 
-@pytest.mark.parametrize("answer, phrase", [
-    (shortest_first, "LONGEST"),
-    (no_prefix, "'##' prefix"),
-    (unk_only_the_part, "WHOLE word"),
-    (ignores_max_chars, "max_chars"),
-    (hard_coded_unk, "'<unk>'"),
-    (unk_at_max_chars, "exactly max_chars"),
-])
-def test_11_1_mistakes_are_wrong(answer, phrase):
-    verdict = grade("11.1", answer)
-    assert verdict.status == WRONG and phrase in verdict.detail
+def hf_wordpiece(word, vocab, unk="[UNK]", max_chars=100):  # the library the check compares with
+    from tokenizers import models
+
+    ids = {unk: 0, **{p: i + 1 for i, p in enumerate(sorted(vocab - {unk}))}}
+    model = models.WordPiece(ids, unk_token=unk, max_input_chars_per_word=max_chars)
+    return [t.value for t in model.tokenize(word)]
 
 
-def test_11_1_stub():
-    assert grade("11.1", stub).status == "not solved yet"
+def hf_wordpiece_through_transformers(word, vocab, unk="[UNK]", max_chars=100):
+    from transformers import BertTokenizerFast  # noqa: F401 - any door into the libraries
+    return hf_wordpiece(word, vocab, unk, max_chars)
+
+
+def wordpiece_tuple(word, vocab, unk="[UNK]", max_chars=100):
+    return tuple(wordpiece(word, vocab, unk, max_chars))
 
 
 # 11.2 GPT-2's pre-split ------------------------------------------------------------------
 
-GPT2 = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+CONTRACTIONS = ("'s", "'t", "'re", "'ve", "'m", "'ll", "'d")
+
+
+def scan(text, lookahead=True, space_before=True, contractions=True, letter=str.isalpha,
+         number=str.isnumeric):
+    """GPT-2's pre-split by hand; the flags make the plausible mistakes."""
+    def kind(c):
+        return "L" if letter(c) else "N" if number(c) else "S" if c.isspace() else "O"
+
+    pieces, i, n = [], 0, len(text)
+    while i < n:
+        if contractions and text[i] == "'":
+            c = next((c for c in CONTRACTIONS if text.startswith(c, i)), None)
+            if c:
+                pieces.append(c)
+                i += len(c)
+                continue
+        start = i
+        if space_before and text[i] == " " and i + 1 < n and kind(text[i + 1]) != "S":
+            i += 1
+        k = kind(text[i])
+        if k != "S":
+            while i < n and kind(text[i]) == k:
+                i += 1
+            pieces.append(text[start:i])
+            continue
+        j = i
+        while j < n and text[j].isspace():
+            j += 1
+        if lookahead and j < n and j - 1 > i:
+            j -= 1  # \s+(?!\S): the last space stays for the word after it
+        pieces.append(text[i:j])
+        i = j
+    return pieces
 
 
 def gpt2_pre_split(text):
+    return scan(text)
+
+
+def by_alternatives(text):  # another way: the regex's alternatives as functions, tried in order
+    n = len(text)
+
+    def run_of(i, pred):
+        while i < n and pred(text[i]):
+            i += 1
+        return i
+
+    def contraction(i):
+        return next((i + len(c) for c in CONTRACTIONS if text.startswith(c, i)), None)
+
+    def spaced(pred):
+        def match(i):
+            j = i + 1 if text[i] == " " else i
+            k = run_of(j, pred)
+            return k if k > j else None
+        return match
+
+    def other(c):
+        return not (c.isalpha() or c.isnumeric() or c.isspace())
+
+    def spaces_not_before_a_word(i):
+        k = run_of(i, str.isspace)
+        k = k - 1 if k < n else k
+        return k if k > i else None
+
+    def spaces(i):
+        k = run_of(i, str.isspace)
+        return k if k > i else None
+
+    alternatives = [contraction, spaced(str.isalpha), spaced(str.isnumeric), spaced(other),
+                    spaces_not_before_a_word, spaces]
+    pieces, i = [], 0
+    while i < n:
+        end = next(e for e in (m(i) for m in alternatives) if e is not None)
+        pieces.append(text[i:end])
+        i = end
+    return pieces
+
+
+GPT2 = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+COMPILED = re.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?[^\W\d_]+| ?\d+| ?[^\s\w]+|_+|\s+(?!\S)|\s+""")
+
+
+def with_regex(text):  # the pattern itself: what the exercise asks to do without
     return regex.findall(GPT2, text)
 
 
+def with_compiled_re(text):  # a pattern compiled in an earlier cell
+    return COMPILED.findall(text)
+
+
+def with_hf(text):
+    from tokenizers import pre_tokenizers
+
+    splitter = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return [text[a:b] for _, (a, b) in splitter.pre_tokenize_str(text)]
+
+
 def word_split(text):  # the chapter's word tokenizer: whitespace is lost
-    return re.findall(r"\w+|[^\w\s]", text)
+    return [p for p in scan(text, space_before=False) if not p.isspace()]
 
 
 def space_after(text):  # each word keeps the spaces after it
-    return regex.findall(r"\s+|\S+\s*", text) if text[:1].isspace() else \
-        regex.findall(r"\S+\s*|\s+", text)
+    pieces = []
+    for p in scan(text, lookahead=False, space_before=False):
+        if p.isspace() and pieces and not pieces[-1].isspace():
+            pieces[-1] += p
+        else:
+            pieces.append(p)
+    return pieces
 
 
 def no_lookahead(text):  # without \s+(?!\S): all spaces go into one piece
-    return regex.findall(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+""",
-                         text)
+    return scan(text, lookahead=False)
 
 
 def no_contractions(text):
-    return regex.findall(r""" ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""", text)
+    return scan(text, contractions=False)
 
 
-def ascii_letters(text):  # Python's re without \p{L}: naïve, café and 日本語 split apart
-    return re.findall(r"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+""",
-                      text)
+def ascii_letters(text):  # [A-Za-z] for \p{L}: naïve, café and 日本語 split apart
+    return scan(text, letter=lambda c: c.isascii() and c.isalpha())
 
 
 def word_chars(text):  # \w instead of \p{L}: letters, digits and '_' in one piece
-    return regex.findall(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\w+| ?[^\s\w]+|\s+(?!\S)|\s+""", text)
+    return scan(text, letter=lambda c: c.isalnum() or c == "_")
 
 
-def test_11_2_reference_is_correct():
-    assert grade("11.2", gpt2_pre_split).status == CORRECT
-
-
-@pytest.mark.parametrize("answer, phrase", [
-    (word_split, "join back"),
-    (space_after, "AFTER it"),
-    (no_lookahead, "\\s+(?!\\S)"),
-    (no_contractions, "contractions"),
-    (ascii_letters, "any script"),
-    (word_chars, "\\w mixes them"),
-])
-def test_11_2_mistakes_are_wrong(answer, phrase):
-    verdict = grade("11.2", answer)
-    assert verdict.status == WRONG and phrase in verdict.detail
-
-
-def test_11_2_stub():
-    assert grade("11.2", stub).status == "not solved yet"
+def as_tuple(text):
+    return tuple(scan(text))
 
 
 # 11.3 left padding -------------------------------------------------------------------------------
@@ -192,16 +281,78 @@ def left_pad_float_mask(batch, pad_id):
     return ids, mask.float()
 
 
-def test_11_3_reference_is_correct():
-    assert grade("11.3", left_pad).status == CORRECT
+def left_pad_rows(batch, pad_id):  # another way: build each row as a list
+    T = max(map(len, batch))
+    ids = torch.tensor([[pad_id] * (T - len(s)) + s for s in batch], dtype=torch.long).view(len(batch), T)
+    mask = torch.tensor([[0] * (T - len(s)) + [1] * len(s) for s in batch], dtype=torch.long)
+    mask = mask.view(len(batch), T).bool()
+    return ids, mask
 
 
-@pytest.mark.parametrize("answer", [right_pad, left_pad_mask_from_ids, left_pad_float_mask])
-def test_11_3_mistakes_are_wrong(answer):
-    assert grade("11.3", answer).status == WRONG
+def left_pad_swapped(batch, pad_id):
+    ids, mask = left_pad(batch, pad_id)
+    return mask, ids
 
 
-def test_11_3_right_padding_hint():
-    assert "on the right" in grade("11.3", right_pad).detail
+def left_pad_list(batch, pad_id):
+    return list(left_pad(batch, pad_id))
 
 
+def left_pad_int32(batch, pad_id):
+    ids, mask = left_pad(batch, pad_id)
+    return ids.int(), mask
+
+
+def left_pad_with_zeros(batch, pad_id):  # pads with 0 whatever pad_id is
+    ids, mask = left_pad(batch, 0)
+    return ids, mask
+
+
+def test_stubs_are_not_solved():
+    for exercise_id in ("11.1", "11.2", "11.3"):
+        assert grade(exercise_id, stub).status == "not solved yet"
+
+
+ANSWERS = {
+    "11.1": Answers(
+        correct=[wordpiece, wordpiece_recursive],
+        wrong=[
+            (shortest_first, "LONGEST"),
+            (no_prefix, "'##' prefix"),
+            (unk_only_the_part, "WHOLE word"),
+            (ignores_max_chars, "max_chars"),
+            (hard_coded_unk, "'<unk>'"),
+            (unk_at_max_chars, "exactly max_chars"),
+            (hf_wordpiece, "not with Hugging Face's WordPiece"),
+            (hf_wordpiece_through_transformers, "not with Hugging Face's WordPiece"),
+            (wordpiece_tuple, "should return a list of str"),
+        ],
+    ),
+    "11.2": Answers(
+        correct=[gpt2_pre_split, by_alternatives],
+        wrong=[
+            (with_regex, "without regular expressions"),
+            (with_compiled_re, "without regular expressions"),
+            (with_hf, "without regular expressions"),
+            (word_split, "join back"),
+            (space_after, "AFTER it"),
+            (no_lookahead, "\\s+(?!\\S)"),
+            (no_contractions, "contractions"),
+            (ascii_letters, "any script"),
+            (word_chars, "\\w mixes them"),
+            (as_tuple, "should return a list of str"),
+        ],
+    ),
+    "11.3": Answers(
+        correct=[left_pad, left_pad_rows],
+        wrong=[
+            (right_pad, "on the right"),
+            (left_pad_mask_from_ids, "cannot be computed from the ids"),
+            (left_pad_float_mask, "should be a bool tensor"),
+            (left_pad_swapped, "the ids first"),
+            (left_pad_list, "should return a tuple"),
+            (left_pad_int32, "should be a torch.long tensor"),
+            (left_pad_with_zeros, "ids differs"),
+        ],
+    ),
+}

@@ -2,17 +2,22 @@
 
 * 11.1 ``wordpiece_encode(word, vocab, unk, max_chars)`` -> ``list[str]``: greedy longest match
   (BERT's WordPiece encoder), checked against Hugging Face's ``models.WordPiece``
-* 11.2 ``gpt2_pre_split(text)`` -> ``list[str]``: GPT-2's regular-expression pre-split, checked
-  against Hugging Face's ``pre_tokenizers.ByteLevel(use_regex=True)`` (offsets into the text)
+* 11.2 ``gpt2_pre_split(text)`` -> ``list[str]``: GPT-2's regular-expression pre-split written
+  without regular expressions (``re``, ``regex`` and ``tokenizers`` refused), checked against
+  Hugging Face's ``pre_tokenizers.ByteLevel(use_regex=True)`` (offsets into the text)
 * 11.3 ``left_pad(batch, pad_id)`` -> ``(ids (B, T) long, attention_mask (B, T) bool)``, padding on the left
 
-The graders draw their random inputs from a local ``torch.Generator``.
+Every check calls the answer through :func:`run` and draws fresh random cases from
+:func:`case_rng` besides its fixed edge cases; Hugging Face's ``tokenizers`` (and ``transformers``'
+tokenizers) are refused while the answer runs: they are what the check compares with.
 """
 from __future__ import annotations
 
 import torch
 
-from attnlib.book.exercises._core import NotSolved, exercise, expect, expect_close
+from attnlib.book.exercises._ch10_doors import RefuseModules
+from attnlib.book.exercises._core import case_rng, exercise, expect, expect_close, expect_tensor, randint
+from attnlib.book.exercises._run import run
 
 __all__ = ["check_wordpiece_encode", "check_gpt2_pre_split", "check_left_pad"]
 
@@ -23,6 +28,17 @@ def _random_ids(g: torch.Generator, n: int, high: int) -> list[int]:
 
 def _pick(g: torch.Generator, seq):
     return seq[int(torch.randint(0, len(seq), (1,), generator=g))]
+
+
+def _expect_pieces(got: object, what: str) -> list[str]:
+    expect(type(got) is list and all(type(t) is str for t in got),
+           f"{what} should return a list of str, got {type(got).__name__}"
+           + (f" of {sorted({type(t).__name__ for t in got})}" if isinstance(got, (list, tuple)) else ""))
+    return got
+
+
+def _no_library(why: str, *extra: str) -> RefuseModules:
+    return RefuseModules(why, "tokenizers", "transformers", *extra)
 
 
 # ---------------------------------------------------------------- 11.1
@@ -57,7 +73,7 @@ def _wordpiece_cases(g: torch.Generator) -> list[tuple[str, set[str], str, int]]
              ("abab", {"a", "b", "##a", "##b", "ab", "##ab", "<unk>"}, "<unk>", 4),
              ("a", {"a", "[UNK]"}, "[UNK]", 100)]
     letters = "abcd"
-    for _ in range(40):
+    for _ in range(30):
         n = int(torch.randint(1, 9, (1,), generator=g))
         word = "".join(_pick(g, letters) for _ in range(n))
         vocab = {"[UNK]"}
@@ -74,16 +90,14 @@ def _wordpiece_cases(g: torch.Generator) -> list[tuple[str, set[str], str, int]]
 @exercise("11.1")
 def check_wordpiece_encode(answer) -> None:
     """Check greedy longest-match WordPiece encoding against Hugging Face's ``models.WordPiece``."""
-    g = torch.Generator().manual_seed(111)
+    g = case_rng()
     for word, vocab, unk, max_chars in _wordpiece_cases(g):
-        expected = _hf_wordpiece(word, vocab, unk, max_chars)
         frozen = frozenset(vocab)
-        got = answer(word, set(vocab), unk, max_chars)
-        if got is None:
-            raise NotSolved("return the list of pieces")
         what = f"wordpiece_encode({word!r}, vocab={sorted(vocab)}, unk={unk!r}, max_chars={max_chars})"
-        expect(isinstance(got, list) and all(isinstance(t, str) for t in got),
-               f"{what} should return a list of strings, got {got!r}")
+        hook = _no_library("write the greedy match yourself, not with Hugging Face's WordPiece")
+        got = _expect_pieces(run(answer, word, set(vocab), unk, max_chars, what=what, inside=(hook,)), what)
+        hook.verdict()
+        expected = _hf_wordpiece(word, set(frozen), unk, max_chars)
         if got == expected:
             continue
         if len(word) > max_chars and expected == [unk]:
@@ -122,8 +136,8 @@ _SPACES = [" ", " ", " ", "  ", "   ", "\n", "\n\n", "\t", " \n ", ""]
 
 def _pre_split_cases(g: torch.Generator) -> list[str]:
     cases = ["Hello world", "Hello  world", "It's 2024!", "  leading", "trailing  ", "a\n\nb",
-             "don't stop", "x = 3.14;", ""]
-    for _ in range(30):
+             "don't stop", "x = 3.14;", "", "a \nb", "it 's", "!'s", "x\t y", "'ll'd"]
+    for _ in range(25):
         n = int(torch.randint(1, 8, (1,), generator=g))
         cases.append("".join(_pick(g, _PIECES) + _pick(g, _SPACES) for _ in range(n)))
     return cases
@@ -134,15 +148,14 @@ def check_gpt2_pre_split(answer) -> None:
     """Check GPT-2's pre-split against Hugging Face's byte-level pre-tokenizer (offsets mapped back)."""
     import re
 
-    g = torch.Generator().manual_seed(112)
+    g = case_rng()
     for text in _pre_split_cases(g):
-        expected = _hf_pre_split(text)
-        got = answer(text)
-        if got is None:
-            raise NotSolved("return the list of pieces")
         what = f"gpt2_pre_split({text!r})"
-        expect(isinstance(got, list) and all(isinstance(t, str) for t in got),
-               f"{what} should return a list of strings, got {got!r}")
+        hook = _no_library("write the rules with str methods, without regular expressions (re, regex) or "
+                           "Hugging Face's pre-tokenizer", "re", "_sre", "regex", "_regex")
+        got = _expect_pieces(run(answer, text, what=what, inside=(hook,)), what)
+        hook.verdict()
+        expected = _hf_pre_split(text)
         if got == expected:
             continue
         expect("".join(got) == text, f"{what} gave {got}: the pieces must join back to the text "
@@ -175,39 +188,43 @@ def check_gpt2_pre_split(answer) -> None:
         expect(False, f"{what} should be {expected}, got {got}")
 
 
+def _expected_left(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(len(s) for s in batch)
+    ids = torch.tensor([[pad_id] * (T - len(s)) + list(s) for s in batch], dtype=torch.long).reshape(len(batch), T)
+    mask = torch.tensor([[False] * (T - len(s)) + [True] * len(s) for s in batch], dtype=torch.bool)
+    mask = mask.reshape(len(batch), T)
+    return ids, mask
+
+
 @exercise("11.3")
 def check_left_pad(fn) -> None:
     """Check padding a batch on the left, with its attention mask (True at real tokens)."""
-    g = torch.Generator().manual_seed(13)
-    cases = [([[5, 6, 7], [8]], 0), ([[1], [2], [3]], 0), ([[4, 5], []], 9), ([[], []], 0), ([[0, 3], [4]], 0)]
-    for B in (2, 5):
-        lengths = torch.randint(0, 7, (B,), generator=g).tolist()
-        cases.append(([_random_ids(g, n, 50) for n in lengths], 0))
+    g = case_rng()
+    cases = [([[5, 6, 7], [8]], 0), ([[1], [2], [3]], 0), ([[4, 5], []], 9), ([[], []], 0), ([[0, 3], [4]], 0),
+             ([[7, 7, 1]], 7)]
+    for _ in range(3):  # fresh each run; real tokens often equal pad_id
+        lengths = torch.randint(0, 7, (randint(g, 1, 5),), generator=g).tolist()
+        cases.append(([_random_ids(g, n, 6) for n in lengths], randint(g, 0, 5)))
     for batch, pad_id in cases:
         what = f"left_pad({batch}, pad_id={pad_id})"
-        got = fn([list(s) for s in batch], pad_id)
-        expect(isinstance(got, tuple) and len(got) == 2, f"{what} should return a pair (ids, attention_mask)")
+        got = run(fn, [list(s) for s in batch], pad_id, what=what)
+        expect(type(got) is tuple and len(got) == 2, f"{what} should return a tuple (ids, attention_mask), "
+                                                     f"got {type(got).__name__}")
         ids, mask = got
-        T = max(len(s) for s in batch)
-        exp_ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
-        exp_mask = torch.zeros(len(batch), T, dtype=torch.bool)
-        for b, s in enumerate(batch):
-            if s:
-                exp_ids[b, T - len(s):] = torch.tensor(s)
-                exp_mask[b, T - len(s):] = True
-        expect(isinstance(ids, torch.Tensor) and ids.dtype == torch.long,
-               f"{what}: ids should be a torch.long tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
-        expect(isinstance(mask, torch.Tensor) and mask.dtype == torch.bool,
-               f"{what}: attention_mask should be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
-        right = torch.full_like(exp_ids, pad_id)
-        for b, s in enumerate(batch):
-            right[b, : len(s)] = torch.tensor(s, dtype=torch.long)
+        exp_ids, exp_mask = _expected_left(batch, pad_id)
+        expect_tensor(ids, f"{what} ids")
+        expect_tensor(mask, f"{what} attention_mask")
+        if ids.dtype == torch.bool and mask.dtype == torch.long:
+            expect(False, f"{what}: return (ids, attention_mask) in this order, the ids first")
+        expect(ids.dtype == torch.long, f"{what}: ids should be a torch.long tensor, got {ids.dtype}")
+        expect(mask.dtype == torch.bool, f"{what}: attention_mask should be a bool tensor, got {mask.dtype}")
+        right = torch.tensor([list(s) + [pad_id] * (exp_ids.shape[1] - len(s)) for s in batch],
+                             dtype=torch.long).reshape(exp_ids.shape)
         if ids.shape == exp_ids.shape and torch.equal(ids, right) and not torch.equal(right, exp_ids):
             expect(False, f"{what} pads on the right; put the pad ids before each sequence, so that every "
                           f"sequence ends in the last column")
         expect_close(ids, exp_ids, f"{what} ids")
-        if isinstance(mask, torch.Tensor) and mask.shape == exp_mask.shape and torch.equal(mask, ids != pad_id) \
-                and not torch.equal(mask, exp_mask):
+        if mask.shape == exp_mask.shape and torch.equal(mask, ids != pad_id) and not torch.equal(mask, exp_mask):
             expect(False, f"{what}: the mask cannot be computed from the ids: pad_id may also be a real token; "
                           f"mark positions by the sequence lengths")
         expect_close(mask, exp_mask, f"{what} attention_mask")

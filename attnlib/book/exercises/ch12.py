@@ -6,21 +6,20 @@
 * 12.4 ``min_p_filter(logits, p_min)`` -> logits of tokens less likely than ``p_min`` times the
   row's most likely token set to ``-inf`` (min-p sampling, Nguyen et al. 2024)
 
-The graders draw their random logits from a local ``torch.Generator`` and build their
-reference models on the ``meta`` device inside ``torch.random.fork_rng``, so checking an
-answer never changes the notebook's global random state.
+Every check calls the answer through :func:`run`, draws fresh cases from :func:`case_rng` besides
+its fixed edge cases, and refuses what the statement rules out wherever it is reached from: building a
+module in 12.1, attnlib's filters and transformers' logits warpers in 12.2-12.4. The reference models
+are built on the ``meta`` device inside ``torch.random.fork_rng`` after the answer ran.
 """
 from __future__ import annotations
 
-import contextlib
-from unittest import mock
+import functools
 
 import torch
 
-import attnlib.generation
-import attnlib.generation.sampling
-from attnlib.book.exercises._core import Wrong, exercise, expect
-from attnlib.generation.sampling import top_k_filter, top_p_filter
+from attnlib.book.exercises._core import case_rng, exercise, expect, expect_int, expect_tensor, randint
+from attnlib.book.exercises._run import Refuse, run
+from attnlib.generation.sampling import sample_next_token, top_k_filter, top_p_filter
 from attnlib.models import GPT, GPTConfig
 
 __all__ = ["check_gpt_param_count", "check_top_k_by_hand", "check_top_p_by_hand", "check_min_p_filter"]
@@ -32,20 +31,29 @@ _CONFIGS = [
     ("the chapter's model", GPTConfig()),
     ("bias=False", GPTConfig(bias=False)),
     ("one layer, one head", GPTConfig(vocab_size=10, block_size=8, n_layers=1, n_heads=1, d_model=16)),
-    ("a wider model", GPTConfig(vocab_size=100, block_size=64, n_layers=3, n_heads=8, d_model=128)),
-    ("a wider model, bias=False", GPTConfig(vocab_size=100, block_size=64, n_layers=3, n_heads=8, d_model=128, bias=False)),
     ("GPT-2 small", GPTConfig(vocab_size=50257, block_size=1024, n_layers=12, n_heads=12, d_model=768)),
 ]
+
+
+def _configs(g: torch.Generator) -> list[tuple[str, GPTConfig]]:
+    cases = list(_CONFIGS)
+    for bias in (True, False):  # fresh sizes each run
+        n_heads = randint(g, 1, 8)
+        config = GPTConfig(vocab_size=randint(g, 2, 500), block_size=randint(g, 1, 256), n_layers=randint(g, 1, 6),
+                           n_heads=n_heads, d_model=n_heads * randint(g, 1, 24), bias=bias)
+        cases.append((f"a random model, bias={bias}", config))
+    return cases
+
+
+#: "without building the model": no module may be built while the answer runs (GPT, its blocks, nn.Linear, ...)
+_NO_MODEL = Refuse("count with a formula: your function may not build the model or any nn.Module",
+                   GPT, torch.nn.Module.__init__)
 
 
 def _reference_count(config: GPTConfig) -> int:
     """``GPT(config).num_parameters()``, built on the meta device (no memory, no random numbers)."""
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         return GPT(config).num_parameters()
-
-
-def _refuse_to_build(*args, **kwargs):
-    raise Wrong("count with a formula: the check does not let your function build an attnlib.GPT")
 
 
 def _explain_difference(config: GPTConfig, diff: int) -> str:
@@ -78,12 +86,10 @@ def _explain_difference(config: GPTConfig, diff: int) -> str:
 @exercise("12.1")
 def check_gpt_param_count(fn) -> None:
     """Check a formula for ``attnlib.GPT(config).num_parameters()`` on several configurations."""
-    for what, config in _CONFIGS:
+    for what, config in _configs(case_rng()):
+        got = expect_int(run(fn, config, what=f"gpt_param_count({what})", refuse=_NO_MODEL),
+                         f"gpt_param_count({what})")
         expected = _reference_count(config)
-        with mock.patch.object(GPT, "__init__", _refuse_to_build):
-            got = fn(config)
-        expect(isinstance(got, int) and not isinstance(got, bool),
-               f"return a Python int; got {type(got).__name__} for {what}")
         if got != expected:
             hint = _explain_difference(config, got - expected)
             expect(False, f"{what} ({config}): you counted {got:,}, the model has {expected:,} "
@@ -93,16 +99,38 @@ def check_gpt_param_count(fn) -> None:
 # ---------------------------------------------------------------- 12.2 and 12.3
 
 def _random_logits(g: torch.Generator) -> list[torch.Tensor]:
+    V = randint(g, 2, 80)
     return [
         torch.randn(7, generator=g) * 2,
-        torch.randn(3, 10, generator=g),
+        torch.randn(3, 10, generator=g, dtype=torch.float64),
         torch.randn(2, 4, 65, generator=g) * 3,
+        torch.randn(randint(g, 1, 4), V, generator=g) * float(torch.empty(()).uniform_(0.5, 4, generator=g)),
     ]
+
+
+@functools.cache
+def _no_filters() -> Refuse:
+    """attnlib's filters (also through ``sample_next_token``) and transformers' logits warpers."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    return Refuse("write the filter by hand, not with attnlib.generation's filters or transformers' logits "
+                  "warpers", top_k_filter, top_p_filter, sample_next_token, TopKLogitsWarper, TopPLogitsWarper,
+                  MinPLogitsWarper)
+
+
+def _run_filter(fn, logits: torch.Tensor, arg: float, what: str) -> torch.Tensor:
+    """The answer's filtered logits: a new tensor of the same shape and dtype, the input left as it was."""
+    out = run(fn, logits, arg, what=what, refuse=_no_filters(), copy_args=False)
+    expect_tensor(out, what)
+    expect(out.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr() or not logits.numel(),
+           f"{what} returned logits itself (or a view of it); return a new tensor (masked_fill, clone), so that "
+           "changing the result leaves the caller's logits alone")
+    expect(out.dtype == logits.dtype, f"{what} has dtype {out.dtype}; keep the dtype of logits ({logits.dtype})")
+    return out
 
 
 def _expect_filtered(out: object, logits: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     """Shared checks of a filtered logits tensor: its type, its shape, and -inf (not 0) for removed tokens."""
-    expect(isinstance(out, torch.Tensor), f"{what} should return a torch.Tensor, got {type(out).__name__}")
     expect(tuple(out.shape) == tuple(logits.shape), f"{what} has shape {tuple(out.shape)}; keep the shape of "
                                                     f"logits {tuple(logits.shape)}")
     removed = torch.isinf(expected)
@@ -118,33 +146,11 @@ def _expect_same_tokens(out: torch.Tensor, logits: torch.Tensor, expected: torch
     if not torch.equal(torch.isinf(out), removed):
         expect(False, f"{what} keeps the right number of tokens per row but not the right ones: keep the most "
                       f"likely tokens, in vocabulary order (undo any sorting)")
+    expect(torch.equal(out, expected) or not torch.equal(out.sort(-1).values, expected.sort(-1).values),
+           f"{what} keeps the right logits but not in vocabulary order: put each kept logit back at its "
+           f"token's index (undo any sorting)")
     expect(bool(torch.equal(out[~removed], logits[~removed])),
            f"{what} changes the logits it keeps; leave them as they are")
-
-
-@contextlib.contextmanager
-def _library_filters_refused(fn):
-    """While the answer runs, attnlib's own filters raise :class:`Wrong` (the exercise is to write one).
-
-    Patched where an answer can reach them: the ``attnlib.generation.sampling`` module (so
-    ``sample_next_token(..., top_k=...)`` is refused too), the ``attnlib.generation`` package that
-    re-exports them, and the answer's own globals (a notebook that imported ``top_k_filter`` by name).
-    """
-    def refuse(*args, **kwargs):
-        raise Wrong("write the filter by hand: your function called attnlib.generation's top_k_filter or "
-                    "top_p_filter (directly or through sample_next_token)")
-
-    library = {top_k_filter, top_p_filter}
-    with contextlib.ExitStack() as stack:
-        for module in (attnlib.generation.sampling, attnlib.generation):
-            for name in ("top_k_filter", "top_p_filter"):
-                stack.enter_context(mock.patch.object(module, name, refuse))
-        namespace = getattr(fn, "__globals__", None)
-        if isinstance(namespace, dict):
-            for name, value in list(namespace.items()):
-                if any(value is f for f in library):
-                    stack.enter_context(mock.patch.dict(namespace, {name: refuse}))
-        yield
 
 
 def _kept(logits: torch.Tensor) -> torch.Tensor:
@@ -155,18 +161,15 @@ def _kept(logits: torch.Tensor) -> torch.Tensor:
 @exercise("12.2")
 def check_top_k_by_hand(fn) -> None:
     """Check top-k filtering against ``attnlib.generation.top_k_filter``."""
-    g = torch.Generator().manual_seed(12)
+    g = case_rng()
     cases = []
     for logits in _random_logits(g):
         V = logits.shape[-1]
-        cases += [(logits, 1), (logits, 3), (logits, V), (logits, V + 5)]
+        cases += [(logits, 1), (logits, randint(g, 1, V)), (logits, V), (logits, V + 5)]
     cases.append((torch.tensor([[1.0, 3.0, 2.0, 3.0, 0.5], [4.0, 4.0, 4.0, 1.0, 0.0]]), 2))  # ties at the k-th value
     for logits, k in cases:
         what = f"top_k_by_hand(logits of shape {tuple(logits.shape)}, k={k})"
-        original = logits.clone()
-        with _library_filters_refused(fn):
-            out = fn(logits, k)
-        expect(torch.equal(logits, original), f"{what} modified its input in place; return a new tensor")
+        out = _run_filter(fn, logits, k, what)
         expected = top_k_filter(logits, k)
         _expect_filtered(out, logits, expected, what)
         kept, want = _kept(out), _kept(expected)
@@ -189,28 +192,47 @@ def check_top_k_by_hand(fn) -> None:
 @exercise("12.3")
 def check_top_p_by_hand(fn) -> None:
     """Check nucleus (top-p) filtering against ``attnlib.generation.top_p_filter``."""
-    g = torch.Generator().manual_seed(13)
+    g = case_rng()
     cases = []
     for logits in _random_logits(g):
-        cases += [(logits, p) for p in (0.05, 0.5, 0.9, 1.0)]
+        cases += [(logits, p) for p in (0.05, 0.5, 0.9, 1.0, float(torch.rand((), generator=g)) * 0.9 + 0.05)]
     # probabilities 0.15, 0.5, 0.05, 0.3 (scrambled): the nucleus of 0.7 is {0.5, 0.3}, of 0.4 just {0.5}
     scrambled = torch.tensor([0.15, 0.5, 0.05, 0.3]).log()
     cases += [(scrambled, 0.7), (scrambled, 0.4), (scrambled, 0.95)]
+    outs = []
     for logits, p in cases:
         what = f"top_p_by_hand(logits of shape {tuple(logits.shape)}, p={p})"
-        original = logits.clone()
-        with _library_filters_refused(fn):
-            out = fn(logits, p)
-        expect(torch.equal(logits, original), f"{what} modified its input in place; return a new tensor")
+        outs.append(_run_filter(fn, logits, p, what))
+        _expect_filtered(outs[-1], logits, top_p_filter(logits, p), what)
+
+    def in_vocabulary_order(logits: torch.Tensor, p: float) -> torch.Tensor:
+        probs = logits.double().softmax(-1)
+        return probs.cumsum(-1) - probs >= p  # removed: the running sum in vocabulary order
+
+    if any(not torch.equal(torch.isinf(out), torch.isinf(top_p_filter(lg, p))) for (lg, p), out in zip(cases, outs)):
+        expect(not all(torch.equal(torch.isinf(out), in_vocabulary_order(lg, p)) for (lg, p), out in zip(cases, outs)),
+               "top_p_by_hand takes the running sum in vocabulary order: sort the probabilities in decreasing "
+               "order first, so that the nucleus holds the most likely tokens")
+    for (logits, p), out in zip(cases, outs):
+        what = f"top_p_by_hand(logits of shape {tuple(logits.shape)}, p={p})"
         expected = top_p_filter(logits, p)
-        _expect_filtered(out, logits, expected, what)
         kept, want = _kept(out), _kept(expected)
-        if torch.equal(kept, want):
+        if torch.equal(torch.isinf(out), torch.isinf(expected)):
             _expect_same_tokens(out, logits, expected, what)
             continue
+        probs = logits.double().softmax(-1)
+        ranks = probs.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)  # 0 = the most likely token
+        if not torch.equal(~torch.isinf(out), ranks < kept[..., None]):  # not the most likely tokens
+            expect(not torch.equal(torch.isinf(out), in_vocabulary_order(logits, p)),
+                   f"{what} takes the running sum in vocabulary order: sort the probabilities in decreasing "
+                   f"order first, so that the nucleus holds the most likely tokens")
+            if torch.equal(kept, want):
+                _expect_same_tokens(out, logits, expected, what)
         expect(not bool((kept == 0).any()),
                f"{what} removes every token of a row: the most likely token always stays, even when its "
                f"probability alone exceeds p")
+        expect(p < 1, f"{what} drops tokens: with p = 1 every token stays (a float32 running sum can reach 1 "
+                      f"before the last tokens; handle p = 1 apart, or sum in float64)")
         if bool((kept <= want).all()) and bool((kept == want - 1).any()):
             expect(False, f"{what} drops the token that makes the running sum reach p; keep it (drop a token only "
                           f"when the tokens before it already sum to p)")
@@ -250,18 +272,15 @@ def _min_p_mistakes(logits: torch.Tensor, p_min: float) -> dict[str, torch.Tenso
 @exercise("12.4")
 def check_min_p_filter(fn) -> None:
     """Check min-p filtering against a reference; attnlib's filters raise while the answer runs."""
-    g = torch.Generator().manual_seed(14)
+    g = case_rng()
     cases = []
     for logits in _random_logits(g):
-        cases += [(logits, p) for p in (0.02, 0.1, 0.3, 1.0)]
+        cases += [(logits, p) for p in (0.02, 0.1, 0.3, 1.0, float(torch.rand((), generator=g)) * 0.5 + 0.01)]
     cases.append((torch.tensor([[2.0, 2.0, 0.0, -1.0], [0.5, 1.5, 1.5, 1.0]]), 1.0))  # ties at the top
     outs = []
     for logits, p_min in cases:
         what = f"min_p_filter(logits of shape {tuple(logits.shape)}, p_min={p_min})"
-        original = logits.clone()
-        with _library_filters_refused(fn):
-            out = fn(logits, p_min)
-        expect(torch.equal(logits, original), f"{what} modified its input in place; return a new tensor")
+        out = _run_filter(fn, logits, p_min, what)
         expected = _min_p_reference(logits, p_min)
         _expect_filtered(out, logits, expected, what)
         if torch.equal(torch.isinf(out), torch.isinf(expected)):

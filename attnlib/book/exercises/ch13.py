@@ -7,28 +7,25 @@
 * 13.3 ``seed_verdict(losses_a, losses_b, z=2.0)`` -> ``"a"``, ``"b"`` or ``None``: does one
   variant have a lower loss than the other beyond the spread over seeds?
 
-The graders use fixed inputs (typed-in loss curves) or draw them from a local
-``random.Random``, so checking an answer never changes the notebook's random state.
+Every check calls the answer through :func:`run`, on fixed cases (typed-in loss curves, edges) and
+fresh random ones from :func:`case_rng`; a number is checked with its exact type.
 """
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
-from attnlib.book.exercises._core import exercise, expect
+from attnlib.book.exercises._core import Wrong, case_rng, exercise, expect, expect_number, randint
+from attnlib.book.exercises._run import run
 
 __all__ = ["check_bits_per_char", "check_first_suspicious_step", "check_seed_verdict"]
 
 LN2 = math.log(2.0)
 
 
-def _is_real(x: object) -> bool:
-    """A real number: a Python/NumPy int or float (not a bool), or a one-element tensor."""
-    if isinstance(x, torch.Tensor):
-        return x.numel() == 1 and not x.dtype.is_complex and x.dtype != torch.bool
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+def _uniform(g: torch.Generator, low: float, high: float) -> float:
+    return float(torch.empty((), dtype=torch.float64).uniform_(low, high, generator=g))
 
 
 def _close(a: float, b: float, rel: float = 1e-6, abs_: float = 1e-9) -> bool:
@@ -38,13 +35,11 @@ def _close(a: float, b: float, rel: float = 1e-6, abs_: float = 1e-9) -> bool:
 # ------------------------------------------------------------------------------------------ 13.1
 def _cases_13_1() -> list[tuple[float, int, int]]:
     """(loss in nats per token, tokens, characters): varied, tokens of 1 to 5 characters."""
-    import random
-
-    rng = random.Random(1311)
+    g = case_rng()
     cases = [(1.86, 1000, 1000), (3.6, 1000, 3800)]  # a character model; a BPE model
-    for _ in range(6):
-        n_tokens = rng.randint(50, 5000)
-        cases.append((round(rng.uniform(0.5, 6.0), 4), n_tokens, int(n_tokens * rng.uniform(1.5, 5.0))))
+    for _ in range(6):  # fresh each run
+        n_tokens = randint(g, 50, 5000)
+        cases.append((round(_uniform(g, 0.5, 6.0), 4), n_tokens, int(n_tokens * _uniform(g, 1.5, 5.0))))
     return cases
 
 
@@ -69,10 +64,8 @@ def check_bits_per_char(fn) -> None:
     cases = _cases_13_1()
     got = []
     for loss, nt, nc in cases:
-        out = fn(loss, nt, nc)
-        expect(_is_real(out), f"return one number (bits per character); got {type(out).__name__} "
-                              f"for loss={loss}, n_tokens={nt}, n_chars={nc}")
-        got.append(float(out))
+        what = f"bits_per_char({loss}, {nt}, {nc})"
+        got.append(expect_number(run(fn, loss, nt, nc, what=what), what))
     expected = [loss * nt / (nc * LN2) for loss, nt, nc in cases]
     if all(_close(g, e) for g, e in zip(got, expected)):
         return
@@ -113,6 +106,19 @@ _CASES_13_2 = [
 ]
 
 
+def _random_curves(g: torch.Generator) -> list[tuple[str, list[int], list[float], float]]:
+    """Fresh decreasing curves (noisy exponential decay), evaluated every ``every`` steps."""
+    cases = []
+    for _ in range(3):
+        every, n = randint(g, 1, 8) * 50, randint(g, 5, 30)
+        start, end = _uniform(g, 3.0, 4.5), _uniform(g, 0.2, 2.2)
+        losses = [round(end + (start - end) * math.exp(-4 * i / n) + _uniform(g, -0.05, 0.05), 4) for i in range(n)]
+        floor_bits = round(_uniform(g, 0.5, 3.0), 2)
+        cases.append((f"a random run every {every} steps, floor {floor_bits} bits", list(range(0, every * n, every)),
+                      losses, floor_bits))
+    return cases
+
+
 def _first_below(steps: list[int], losses: list[float], floor: float, strict: bool = True):
     for step, loss in zip(steps, losses):
         if loss < floor or (not strict and loss <= floor):
@@ -150,17 +156,16 @@ _MISTAKES_13_2 = [  # (what a plausible wrong rule returns, the hint that names 
 def check_first_suspicious_step(fn) -> None:
     """Check ``first_suspicious_step(steps, val_loss, floor_bits)`` on typed-in loss curves."""
     got_all = []
-    for what, steps, losses, floor_bits in _CASES_13_2:
+    cases = _CASES_13_2 + _random_curves(case_rng())
+    for what, steps, losses, floor_bits in cases:
         expected = _first_below(steps, losses, floor_bits * LN2)
-        got = fn(list(steps), list(losses), floor_bits)
+        got = run(fn, list(steps), list(losses), floor_bits, what=f"first_suspicious_step on {what}")
         if got is not None:
-            expect(not (expected is None and (got is False or got == -1)),
+            expect(not (expected is None and (got is False or (type(got) is int and got == -1))),
                    f"{what}: when no loss is below the floor, return None (not {got!r})")
-            expect(_is_real(got) and not isinstance(got, float),
-                   f"{what}: return the step as an int from `steps`, or None; got {got!r}")
-            got = int(got)
+            expect(type(got) is int, f"{what}: return the step as a Python int from `steps`, or None; got "
+                                     f"{type(got).__name__} {got!r}")
         got_all.append(got)
-    cases = _CASES_13_2
     expected_all = [_first_below(s, v, fb * LN2) for _, s, v, fb in cases]
     if got_all == expected_all:
         return
@@ -236,10 +241,8 @@ _MISTAKES_13_3 = [  # (a plausible wrong rule, the hint that names it)
 
 
 def _cases_13_3() -> list[tuple[list[float], list[float], float]]:
-    """Varied cases: 2 to 6 seeds per side, several z, differences placed around the threshold."""
-    import random
-
-    rng = random.Random(1313)
+    """Varied cases: 2 to 6 seeds per side, several z, differences placed around the threshold (fresh noise)."""
+    g = case_rng()
     cases = []
     plan = [  # (n_a, n_b, z, difference of the means in units of z standard errors, sign)
         (3, 3, 2.0, 0.45, 1), (3, 3, 2.0, 1.5, -1), (2, 2, 2.0, 0.9, -1), (5, 5, 2.0, 1.15, 1),
@@ -248,8 +251,8 @@ def _cases_13_3() -> list[tuple[list[float], list[float], float]]:
         (4, 2, 2.0, 1.3, -1),
     ]
     for n_a, n_b, z, t, sign in plan:
-        a = [round(1.8 + rng.gauss(0, 0.03), 4) for _ in range(n_a)]
-        b = [round(1.8 + rng.gauss(0, 0.03), 4) for _ in range(n_b)]
+        a = [round(1.8 + 0.03 * float(torch.randn((), generator=g)), 4) for _ in range(n_a)]
+        b = [round(1.8 + 0.03 * float(torch.randn((), generator=g)), 4) for _ in range(n_b)]
         (ma, sa), (mb, sb) = _mean_sd(a), _mean_sd(b)
         se = math.sqrt(sa**2 / n_a + sb**2 / n_b)
         shift = ma + sign * t * z * se - mb  # b's mean lands t * z standard errors from a's
@@ -262,7 +265,7 @@ def _cases_13_3() -> list[tuple[list[float], list[float], float]]:
 
 
 def _is_verdict(x: object) -> bool:
-    return x is None or (isinstance(x, str) and x in ("a", "b"))
+    return x is None or (type(x) is str and x in ("a", "b"))
 
 
 @exercise("13.3")
@@ -270,16 +273,18 @@ def check_seed_verdict(fn) -> None:
     """Check ``seed_verdict(losses_a, losses_b, z)`` -> "a", "b" or None on varied per-seed losses."""
     for a, b in (([1.85], [1.90, 1.92]), ([1.85, 1.86], [1.90])):
         try:
-            got = fn(list(a), list(b), 2.0)
-        except ValueError:
-            continue
+            got = run(fn, list(a), list(b), 2.0, what=f"seed_verdict({a}, {b}, 2.0)")
+        except Wrong as e:
+            if "your code raised ValueError" in str(e):
+                continue  # the answer's own ValueError, as asked
+            raise
         expect(False, f"seed_verdict({a}, {b}) returned {got!r}: one seed has no spread to compare "
                       f"with; raise ValueError when either list has fewer than 2 losses")
     cases = _cases_13_3()
     got_all = []
     for a, b, z in cases:
         a_in, b_in = list(a), list(b)
-        got = fn(a_in, b_in, z)
+        got = run(fn, a_in, b_in, z, what=f"seed_verdict({a}, {b}, {z})", copy_args=False)
         expect(a_in == a and b_in == b, "seed_verdict changed the lists it was given (sorted them in "
                                         "place?); leave the caller's losses as they are")
         expect(_is_verdict(got), f"return 'a', 'b' or None; got {got!r} for a={a}, b={b}, z={z}")
