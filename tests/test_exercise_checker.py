@@ -30,14 +30,17 @@ def notebook(tmp_path, *cells, name="mine.ipynb"):
 EX_03_1 = "#md ```{exercise-start}\n:label: ex-03-1\n```"
 EX_03_2 = "#md ```{exercise-start}\n:label: ex-03-2\n```"
 SOLVE_03_1 = ("import torch\nfrom attnlib.book.exercises import ch03\n"
-              "ch03.check_bottom_right_causal_mask(lambda T_q, T_k: torch.ones(T_q, T_k, dtype=torch.bool)"
-              ".tril(T_k - T_q))")
+              "def document_mask(doc_ids):\n"
+              "    i = torch.arange(doc_ids.shape[1])\n"
+              "    same = doc_ids[:, :, None] == doc_ids[:, None, :]\n"
+              "    return (i[None, :] <= i[:, None]) & same & (doc_ids != -1)[:, None, :]\n"
+              "ch03.check_document_mask(document_mask)")
 
 
 def test_a_solved_exercise_is_correct_and_a_broken_one_wrong_or_not_checked(tmp_path):
     path = notebook(
         tmp_path, EX_03_1, SOLVE_03_1, EX_03_2, "raise RuntimeError('a learner typo')",
-        "from attnlib.book.exercises import ch03\nch03.check_bottom_right_causal_mask(lambda T_q, T_k: None + 1)",
+        "from attnlib.book.exercises import ch03\nch03.check_document_mask(lambda doc_ids: None + 1)",
     )
     rows = check_notebook(path)
     # 03.1 was checked twice: the last check counts (the learner's later, broken attempt)
@@ -191,7 +194,7 @@ def test_a_stub_is_not_solved_and_not_a_checker_error(harness_exercises):
 def test_grade_records_each_verdict_as_a_json_line(tmp_path, monkeypatch):
     record = tmp_path / "verdicts.jsonl"
     monkeypatch.setenv(VERDICTS_ENV, str(record))
-    grade("03.1", lambda T_q, T_k: None)
+    grade("03.1", lambda doc_ids: doc_ids.float())
     grade("03.1", None)
     lines = [json.loads(line) for line in record.read_text().splitlines()]
     assert [(v["exercise"], v["status"]) for v in lines] == [("03.1", WRONG), ("03.1", NOT_SOLVED)]

@@ -56,7 +56,7 @@ def test_an_answer_that_raises_is_wrong_not_a_crash(exercise_id, capsys):
 def test_check_functions_print_one_verdict_line(capsys):
     from attnlib.book.exercises import ch03
 
-    ch03.check_bottom_right_causal_mask(stub)
+    ch03.check_document_mask(stub)
     assert capsys.readouterr().out.startswith("Exercise 03.1: not solved yet")
 
 
