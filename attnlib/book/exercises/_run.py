@@ -72,11 +72,12 @@ class Refuse:
         name = getattr(target, "__qualname__", None) or getattr(target, "__name__", repr(target))
         module = getattr(target, "__module__", None) or ""
         label = f"{module}.{name}" if module and not module.startswith("torch._C") else name
-        if inspect.isclass(target):
-            for value in vars(target).values():
-                func = getattr(value, "__func__", value)
-                if isinstance(func, types.FunctionType):
-                    self.codes[inspect.unwrap(func).__code__] = label
+        if inspect.isclass(target):  # its methods and those of its bases in its module (a private _KeptCache)
+            for klass in [k for k in target.__mro__ if k.__module__ == target.__module__]:
+                for value in vars(klass).values():
+                    func = getattr(value, "__func__", value)
+                    if isinstance(func, types.FunctionType):
+                        self.codes.setdefault(inspect.unwrap(func).__code__, f"{module}.{klass.__qualname__}")
             return
         func = inspect.unwrap(getattr(target, "__func__", target))
         if isinstance(func, types.FunctionType):
