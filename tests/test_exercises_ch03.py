@@ -125,6 +125,28 @@ def batch_mask_compare(lengths, T):  # another correct way: compare positions wi
     return (pos[None, None, :] <= pos[None, :, None]) & (pos[None, None, :] < lengths[:, None, None])
 
 
+def batch_mask_from_mod(lengths, T):  # another attnlib mask builder: a mask mod evaluated everywhere
+    from attnlib.attention.masks import mask_from_mod
+    return mask_from_mod(lambda b, h, q, kv: (kv <= q) & (kv < lengths[b]), (len(lengths), 1, T, T))[:, 0]
+
+
+def batch_mask_future(lengths, T):  # the causal part from attnlib's future_mask
+    from attnlib.attention.masks import future_mask
+    return ~future_mask(T, T, "cpu") & _real(lengths, T)[:, None, :]
+
+
+def batch_mask_flex(lengths, T):  # FlexAttention's create_mask
+    from torch.nn.attention.flex_attention import create_mask
+    return create_mask(lambda b, h, q, kv: (kv <= q) & (kv < lengths[b]), len(lengths), 1, T, T, device="cpu")[:, 0]
+
+
+def batch_mask_transformers(lengths, T):  # transformers' masking utilities
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+    return sdpa_mask(batch_size=len(lengths), cache_position=torch.arange(T), kv_length=T, q_length=T,
+                     mask_function=causal_mask_function, attention_mask=_real(lengths, T),
+                     allow_is_causal_skip=False)[:, 0]
+
+
 def batch_mask_from_library(lengths, T):  # the rule is "build it yourself"
     from attnlib.attention import causal_mask as cm
     from attnlib.attention import padding_mask as pm
@@ -177,6 +199,10 @@ ANSWERS = {
             (batch_mask_unbroadcast, "has shape"),
             (batch_mask_from_library, "build the mask yourself"),
             (batch_mask_through_the_module, "build the mask yourself"),
+            (batch_mask_from_mod, "attnlib.attention.masks.mask_from_mod"),
+            (batch_mask_future, "attnlib.attention.masks.future_mask"),
+            (batch_mask_flex, "create_mask"),
+            (batch_mask_transformers, "transformers' sdpa_mask"),
             (batch_mask_lengths_off_by_one, "pad keys"),
             (batch_mask_in_place, "in place"),
             (batch_mask_memorised, "ignores the lengths"),
@@ -234,7 +260,9 @@ ANSWERS["03.3"] = Answers(
         (window_off_by_one, "min(i + 1, window) True entries"),
         (window_too_narrow, "min(i + 1, window) True entries"),
         (window_not_causal, "keep it causal"),
-        (lambda T, window: causal_mask(T), "min(i + 1, window) True entries"),
+        (lambda T, window: torch.ones(T, T, dtype=torch.bool).tril(), "min(i + 1, window) True entries"),
+        (lambda T, window: causal_mask(T) & ~causal_mask(T, T + window)[:, window:],  # attnlib's causal masks
+         "attnlib.attention.masks.causal_mask"),
         (window_from_a_buffer, "has shape"),
         (window_from_library, "build the window mask yourself"),
         (window_as_float, "dtype"),

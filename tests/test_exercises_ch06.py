@@ -227,6 +227,28 @@ def gqa_attention_attnlib(q, k, v):  # attnlib's eager attention folds the group
     return attend(q, k, v, mask=_scores_mask(q, k)[None, None])[0]
 
 
+def gqa_attention_tiled(q, k, v):  # attnlib's tiled attention: another of its attention functions
+    from attnlib.attention.tiled import tiled_attention
+    return tiled_attention(q, k, v, is_causal=True)[0]
+
+
+def gqa_attention_flex(q, k, v):  # PyTorch's FlexAttention with a bottom-right causal mask
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    T_q, T_k = q.shape[-2], k.shape[-2]
+    mask = create_block_mask(lambda b, h, i, j: j <= i + (T_k - T_q), None, None, T_q, T_k, device="cpu")
+    return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+
+
+def gqa_attention_transformers(q, k, v):  # transformers' eager attention (a copy of K and V per query head)
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = q.shape[1] // k.shape[1], False
+    T_q, T_k = q.shape[-2], k.shape[-2]
+    mask = torch.zeros(T_q, T_k).masked_fill(~causal_mask(T_q, T_k), float("-inf"))[None, None]
+    out, _ = eager_attention_forward(module, q, k, v, mask, scaling=q.shape[-1] ** -0.5)
+    return out.transpose(1, 2)
+
+
 def gqa_attention_aten(q, k, v):  # PyTorch's fused kernel through torch.ops.aten
     return torch.ops.aten.scaled_dot_product_attention(q, k, v, attn_mask=_scores_mask(q, k), enable_gqa=True)
 
@@ -278,6 +300,9 @@ ANSWERS = {
             (gqa_attention_sdpa, "write the attention yourself"),
             (gqa_attention_attnlib, "attnlib.attention.functions.attention"),
             (gqa_attention_aten, "scaled_dot_product"),
+            (gqa_attention_tiled, "attnlib.attention.tiled.tiled_attention"),
+            (gqa_attention_flex, "flex_attention"),
+            (gqa_attention_transformers, "transformers' eager_attention_forward"),
             (gqa_attention_wrong_groups, "i // group_size"),
             (gqa_attention_top_left, "top-left"),
             (gqa_attention_unscaled, "not scaled"),

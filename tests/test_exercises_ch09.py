@@ -32,6 +32,114 @@ def cross_weights(q, k, attention_mask=None, *, scale=True, tril=False, mask_axi
 
 
 
+def cross_weights_masked_softmax(q, k, attention_mask=None):  # the empty-row trick done by the library
+    from attnlib.attention.masks import masked_softmax
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    return masked_softmax(scores, None if attention_mask is None else attention_mask[:, None, :])
+
+
+def cross_weights_transformers(q, k, attention_mask=None):  # transformers' eager attention returns the weights
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = 1, False
+    add = None if attention_mask is None else torch.zeros(attention_mask.shape).masked_fill(
+        ~attention_mask, float("-inf"))[:, None, None, :]
+    _, w = eager_attention_forward(module, q[:, None], k[:, None], k[:, None], add, scaling=q.shape[-1] ** -0.5)
+    return w[:, 0].nan_to_num(0.0)
+
+
+def _library(q, k, attention_mask):
+    from attnlib.attention import attention
+    mask = None if attention_mask is None else attention_mask[:, None, :]
+    return attention(q, k, torch.zeros(*k.shape[:-1], 1), mask)[1]
+
+
+def cross_weights_in_a_thread(q, k, attention_mask=None):  # another thread has none of the check's watch
+    import threading
+    out = []
+    worker = threading.Thread(target=lambda: out.append(_library(q, k, attention_mask)))
+    worker.start()
+    worker.join()
+    return out[0]
+
+
+def cross_weights_profile_off(q, k, attention_mask=None):
+    import sys
+    sys.setprofile(None)
+    return _library(q, k, attention_mask)
+
+
+def cross_weights_profile_off_by_exec(q, k, attention_mask=None):
+    namespace = {"f": _library, "a": (q, k, attention_mask)}
+    exec("import sys; sys.setprofile(None); out = f(*a)", namespace)
+    return namespace["out"]
+
+
+def cross_weights_other_frames(q, k, attention_mask=None):  # the check's thread's frames
+    import sys
+    sys._current_frames()
+    return cross_weights(q, k, attention_mask, tril=True)
+
+
+def cross_weights_gc(q, k, attention_mask=None):  # the check's objects through the garbage collector
+    import gc
+    gc.get_objects()
+    return cross_weights(q, k, attention_mask, tril=True)
+
+
+def cross_weights_aten_modes_off(q, k, attention_mask=None):  # torch's modes switched off, the raw operator
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask[:, None, :], float("-inf"))
+    with torch._C.DisableTorchFunction():
+        return torch.ops.aten._safe_softmax.default._op(scores, -1)
+
+
+def _pass_everything(ch09):
+    ch09.expect = lambda *a, **k: None
+    ch09.expect_close = lambda *a, **k: None
+    ch09.expect_tensor = lambda actual, *a, **k: actual
+
+
+def cross_weights_integrity_off(q, k, attention_mask=None):  # the integrity check itself replaced
+    import attnlib.book.exercises._run as run_module
+    import attnlib.book.exercises.ch09 as ch09
+    run_module.tampered = lambda: []
+    _pass_everything(ch09)
+    return torch.zeros(q.shape[0], q.shape[1], k.shape[1])
+
+
+def cross_weights_snapshot_cleared(q, k, attention_mask=None):
+    import attnlib.book.exercises._guard as guard
+    import attnlib.book.exercises.ch09 as ch09
+    guard._snapshot_of_guarded = None
+    _pass_everything(ch09)
+    return torch.zeros(q.shape[0], q.shape[1], k.shape[1])
+
+
+def cross_weights_code_swapped(q, k, attention_mask=None):  # same function objects, other code
+    import attnlib.book.exercises.ch09 as ch09
+    ch09.expect.__code__ = (lambda *a, **k: None).__code__
+    ch09.expect_close.__code__ = (lambda *a, **k: None).__code__
+    return cross_weights(q, k, attention_mask, tril=True)
+
+
+def cross_weights_builtin_shadowed(q, k, attention_mask=None):  # a module global that shadows a builtin
+    import attnlib.book.exercises.ch09 as ch09
+    ch09.bool = lambda x: True
+    return cross_weights(q, k, attention_mask, tril=True)
+
+
+def cross_weights_tensor_method(q, k, attention_mask=None):  # a method added to torch.Tensor over TensorBase's
+    torch.Tensor.double = lambda self: torch.zeros(())
+    return cross_weights(q, k, attention_mask, tril=True)
+
+
+def cross_weights_default_dtype(q, k, attention_mask=None):  # global state left changed
+    torch.set_default_dtype(torch.float64)
+    return cross_weights(q, k, attention_mask)
+
+
 # 09.2 additive (Bahdanau) cross-attention ----------------------------------------------------------
 
 def additive(s, m, W_s, W_m, w, mask=None, *, tanh=True, softmax_dim=-1, mask_after=False, scale=False,
@@ -170,8 +278,23 @@ ANSWERS = {
             (lambda q, k, attention_mask=None: cross_weights(q, k, attention_mask, mask_axis="queries"), "padded key"),
             (lambda q, k, attention_mask=None: cross_weights(q, k, attention_mask, fill=-1e9, zero_empty=False),
              "a finite fill"),
-            (cross_weights_library, "not with attnlib's attention or SDPA"),
-            (cross_weights_through_aten, "not with attnlib's attention or SDPA"),
+            (cross_weights_library, "write the weights with tensor operations"),
+            (cross_weights_through_aten, "write the weights with tensor operations"),
+            (cross_weights_masked_softmax, "attnlib.attention.masks.masked_softmax"),
+            (cross_weights_transformers, "transformers' eager_attention_forward"),
+            # generic escapes, refused by run() for every exercise
+            (cross_weights_in_a_thread, "_thread.start_new_thread"),
+            (cross_weights_profile_off, "sys.setprofile"),
+            (cross_weights_profile_off_by_exec, "sys.setprofile"),
+            (cross_weights_other_frames, "sys._current_frames"),
+            (cross_weights_gc, "gc.get_objects"),
+            (cross_weights_aten_modes_off, "aten::_safe_softmax"),
+            (cross_weights_integrity_off, "attnlib.book.exercises._run.tampered"),
+            (cross_weights_snapshot_cleared, "_snapshot_of_guarded"),
+            (cross_weights_code_swapped, "expect.__code__"),
+            (cross_weights_builtin_shadowed, "attnlib.book.exercises.ch09.bool"),
+            (cross_weights_tensor_method, "Tensor.double"),
+            (cross_weights_default_dtype, "global settings"),
             (cross_weights_in_place, "in place"),
             (cross_weights_float64, "dtype"),
         ],

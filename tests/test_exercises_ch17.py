@@ -251,6 +251,15 @@ class RingThroughAttnlib(RingCache):
         self.ring = RingLayerCache(10_000, window)
 
 
+class RingThroughKeptCache(RingCache):  # the ring's rule from the caches' private base, called unbound
+    def step(self, q, k, v, position):
+        from types import SimpleNamespace
+
+        from attnlib.cache.windowed import _KeptCache
+        _KeptCache.still_held(SimpleNamespace(capacity=self.window), torch.tensor([position]), position + 1)
+        return super().step(q, k, v, position)
+
+
 class RingScalesInPlace(RingCache):
     def step(self, q, k, v, position):
         q.mul_(1 / math.sqrt(q.shape[-1]))  # the caller's query, scaled where it lies
@@ -338,6 +347,7 @@ ANSWERS = {
             (RingKeepsEverything, "a ring keeps only the last window positions"),
             (RingUnscaled, "scale the scores by 1/sqrt(head_dim)"),
             (RingThroughAttnlib, "write the ring buffer yourself"),
+            (RingThroughKeptCache, "attnlib.cache.windowed._KeptCache"),
             (RingScalesInPlace, "in place"),
             (RingFlat, "has shape"),
         ],

@@ -9,17 +9,25 @@ and :func:`attnlib.book.exercises._run.run` calls :func:`tampered` after each ca
 from __future__ import annotations
 
 import builtins
+import copy
+import gc
 import inspect
 import math
 import sys
+import threading
+import types
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch._dynamo.mutation_guard
 import torch.nn.functional as F
 
-__all__ = ["record", "restore", "tampered"]
+# torch._dynamo wraps nn.Module.__init__ on its first use (FlexAttention, torch.compile): done now, not in an answer
+torch._dynamo.mutation_guard.install_generation_tagging_init()
+
+__all__ = ["frozen", "record", "restore", "settings", "settings_changed", "tampered"]
 
 _GUARDED_NAMESPACES = (builtins, math, torch, F, torch.nn.init, torch.linalg, torch.testing)
 _GUARDED_CLASSES = (torch.Tensor, torch._C.TensorBase, torch.nn.Module)
@@ -104,3 +112,65 @@ def restore() -> None:
         if vars(owner).get(name) is not value:
             setattr(owner, name, value)
     record()  # check modules imported after the first snapshot
+
+
+_MORE_NAMESPACES = (sys, threading, copy, inspect, gc, threading.Thread)
+
+
+def frozen() -> Any:
+    """Note, before an answer runs, every name it could replace to pass; return ``changed()`` for after it ran.
+
+    The namespaces of :func:`tampered` (and ``sys``, ``threading``, ``inspect``, ``gc``, ``copy``), every
+    ``attnlib`` module (a check's reference lives there), each name's value and each Python function's code.
+    ``changed()`` puts back what the answer replaced, added or rewrote (a helper's ``__code__``, a module
+    global that shadows a builtin, ``torch.Tensor.double``) and returns the names; it reads nothing from a
+    module at call time (everything it needs is bound now), so an answer cannot replace what it compares with.
+    Names torch adds itself (a submodule imported, a helper of its own) are not changes.
+    """
+    owners = [o for _, o in _guarded()] + list(_MORE_NAMESPACES)
+    owners += [m for n, m in list(sys.modules.items()) if n.startswith("attnlib") and m is not None]
+    saved, shadowing = [], frozenset(vars(builtins))
+    for owner in owners:
+        names = dict(vars(owner))
+        codes = {k: v.__code__ for k, v in names.items() if type(v) is types.FunctionType}
+        saved.append((owner, names, codes, isinstance(owner, type), getattr(owner, "__name__", "?")))
+
+    def changed(_saved=saved, _vars=vars, _isinstance=isinstance, _setattr=setattr, _delattr=delattr,
+                _module=types.ModuleType, _list=list, _builtins=shadowing, _getattr=getattr,
+                _str=str) -> list[str]:
+        found = []
+        for owner, names, codes, is_class, label in _saved:
+            now = _vars(owner)
+            for key in _list(now.keys()):
+                value = now[key]
+                if key not in names:
+                    if key not in _builtins and (_isinstance(value, _module) or (
+                            label.startswith("torch") and not is_class
+                            and _str(_getattr(value, "__module__", "")).startswith("torch"))):
+                        continue  # torch importing its own submodules or helpers
+                    found.append(f"{label}.{key}")
+                    _delattr(owner, key)
+                elif value is not names[key] and not _isinstance(names[key], _module):
+                    found.append(f"{label}.{key}")
+                    _setattr(owner, key, names[key])
+            for key, code in codes.items():
+                if names[key].__code__ is not code:
+                    found.append(f"{label}.{key}.__code__")
+                    names[key].__code__ = code
+        return found
+
+    return changed
+
+
+def settings() -> tuple:
+    return torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(), \
+        torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+def settings_changed(before: tuple) -> list[str]:
+    """Torch's global settings the answer changed (put back): a default dtype of float64 can hide a wrong one."""
+    if settings() == before:
+        return []
+    torch.set_default_dtype(before[0])
+    torch.use_deterministic_algorithms(before[1], warn_only=before[2])
+    return ["global settings (torch.set_default_dtype / use_deterministic_algorithms)"]

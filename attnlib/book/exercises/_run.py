@@ -17,11 +17,15 @@ Every check calls the learner's code through :func:`run`, which
 """
 from __future__ import annotations
 
+import _thread
 import contextlib
 import copy
+import gc
 import inspect
 import linecache
+import os
 import sys
+import sysconfig
 import threading
 import types
 from collections.abc import Callable, Iterable
@@ -33,9 +37,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from attnlib.book.exercises._core import NotSolved, Wrong, _learner_code, _raised_by_learner
-from attnlib.book.exercises._guard import restore, tampered
+from attnlib.book.exercises._guard import frozen, restore, settings, settings_changed, tampered
 
-__all__ = ["Refuse", "run", "tensors_in"]
+__all__ = ["HF_ATTENTION", "Refuse", "run", "tensors_in"]
+
+#: transformers' attention functions (each model's modeling file has its own copy): ``Refuse(named=...)``
+HF_ATTENTION = ("eager_attention_forward", "sdpa_attention_forward", "flex_attention_forward",
+                "flash_attention_forward", "paged_attention_forward")
 
 
 class Refuse:
@@ -47,23 +55,29 @@ class Refuse:
     operator's name). A class refuses every method it defines. Refusals add: ``a + b``.
     """
 
-    def __init__(self, why: str, *targets: Any, aten: str | Iterable[str] = ()) -> None:
-        self.why = why
+    def __init__(self, why: str, *targets: Any, aten: str | Iterable[str] = (), named: Iterable[str] = ()) -> None:
+        self.why, self.named = why, frozenset(named)  # named: functions of transformers (one copy per model)
         self.codes: dict[types.CodeType, str] = {}
         self.torch_functions: dict[Any, str] = {}
         self.aten = (aten,) if isinstance(aten, str) else tuple(aten)
         for target in targets:
             self._add(target)
+        for name in torch._C._dispatch_get_all_op_names() if self.aten else ():
+            if name.startswith("aten::") and any(part in name for part in self.aten):
+                packet = getattr(torch.ops.aten, name[6:].split(".")[0], None)
+                for overload in [] if packet is None else packet.overloads():
+                    self.torch_functions[getattr(packet, overload)._op] = name  # ._op called directly
 
     def _add(self, target: Any) -> None:
         name = getattr(target, "__qualname__", None) or getattr(target, "__name__", repr(target))
         module = getattr(target, "__module__", None) or ""
         label = f"{module}.{name}" if module and not module.startswith("torch._C") else name
-        if inspect.isclass(target):
-            for value in vars(target).values():
-                func = getattr(value, "__func__", value)
-                if isinstance(func, types.FunctionType):
-                    self.codes[inspect.unwrap(func).__code__] = label
+        if inspect.isclass(target):  # its methods and those of its bases in its module (a private _KeptCache)
+            for klass in [k for k in target.__mro__ if k.__module__ == target.__module__]:
+                for value in vars(klass).values():
+                    func = getattr(value, "__func__", value)
+                    if isinstance(func, types.FunctionType):
+                        self.codes.setdefault(inspect.unwrap(func).__code__, f"{module}.{klass.__qualname__}")
             return
         func = inspect.unwrap(getattr(target, "__func__", target))
         if isinstance(func, types.FunctionType):
@@ -75,7 +89,7 @@ class Refuse:
         joined = Refuse(f"{self.why}; {other.why}")
         joined.codes = {**self.codes, **other.codes}
         joined.torch_functions = {**self.torch_functions, **other.torch_functions}
-        joined.aten = self.aten + other.aten
+        joined.aten, joined.named = self.aten + other.aten, self.named | other.named
         return joined
 
 
@@ -93,8 +107,8 @@ class _Watch(TorchFunctionMode):
         if label is None and str(func).startswith("aten.") and any(p in str(func) for p in self.refuse.aten):
             label = str(func)  # torch.ops.aten.x(...) called directly: seen here before it decomposes
         if label is not None:
-            self.calls.append(label)
-            raise Wrong(f"{self.refuse.why}: your code called {label}")
+            self.calls.append(f"{self.refuse.why}: your code called {label}")
+            raise Wrong(self.calls[-1])
         return func(*args, **(kwargs or {}))
 
 
@@ -106,24 +120,53 @@ class _WatchAten(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
         if any(part in name for part in self.refuse.aten):
-            self.calls.append(name)
-            raise Wrong(f"{self.refuse.why}: your code called {name}")
+            self.calls.append(f"{self.refuse.why}: your code called {name}")
+            raise Wrong(self.calls[-1])
         return func(*args, **(kwargs or {}))
+
+
+#: What an answer may not call from its own code (torch's own code may): it would leave the check's watch
+#: (another thread has no profile hook and no torch mode), switch the watch off, or reach the check's objects.
+_ESCAPES = {f: f"{getattr(f, '__module__', None) or 'torch._C'}.{f.__name__}" for f in (
+    sys.setprofile, sys.getprofile, sys.settrace, sys._current_frames, _thread.start_new_thread, gc.get_objects,
+    gc.get_referrers, gc.get_referents, torch._C._pop_torch_function_stack, torch._C._pop_torch_dispatch_stack,
+    torch._C._get_function_stack_at, torch._C._get_dispatch_stack_at)}
+_ESCAPE_WHY = ("an answer computes its result in its own call: it may not start a thread, switch off the check's "
+               "watch or reach into the check's objects")
+_OP_CALLS = {torch._ops.OpOverload.__call__.__code__, torch._ops.OpOverloadPacket.__call__.__code__}
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def _from_torch(frame: Any) -> bool:
+    """Whether the nearest frame outside Python's standard library (from ``frame`` up) is torch's or this module's."""
+    while frame is not None and frame.f_code.co_filename.startswith(_STDLIB) and "-packages" not in \
+            frame.f_code.co_filename:
+        frame = frame.f_back
+    return frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
+                                  or frame.f_code.co_filename == __file__)
 
 
 def _profile(refuse: Refuse, calls: list[str]) -> Callable:
     def hook(frame, event, arg):
-        label = None
+        label, why = None, refuse.why
         if event == "call":
             label = refuse.codes.get(frame.f_code)
-        elif event == "c_call":  # a C function that is no torch function (autograd's engine, say)
+            if frame.f_code.co_name in refuse.named and "transformers" in frame.f_code.co_filename:
+                label = f"transformers' {frame.f_code.co_name}"
+            if label is None and frame.f_code in _OP_CALLS and refuse.aten:  # torch.ops.aten.x(...), modes or not
+                name = str(frame.f_locals.get("self"))
+                label = name if any(part in name for part in refuse.aten) else None
+        elif event == "c_call":  # a C function: a refused one, or a way out of the watch
             try:
                 label = refuse.torch_functions.get(arg)
+                if label is None and arg in _ESCAPES and not _from_torch(frame):
+                    label, why = _ESCAPES[arg], _ESCAPE_WHY
             except TypeError:  # unhashable
                 label = None
         if label is not None:
-            calls.append(label)
-            raise Wrong(f"{refuse.why}: your code called {label}")
+            calls.append(f"{why}: your code called {label}")
+            raise Wrong(calls[-1])
     return hook
 
 
@@ -228,6 +271,9 @@ def run(fn: Any, *args: Any, what: str, refuse: Refuse | None = None, mutable: I
     result: dict[str, Any] = {}
     calls: list[str] = []
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    watched = refuse if refuse is not None else Refuse("")
+    before_settings = settings()
+    changed_names = frozen()  # before the answer runs: what it could replace to pass
 
     def call() -> None:
         with contextlib.ExitStack() as stack:
@@ -240,25 +286,27 @@ def run(fn: Any, *args: Any, what: str, refuse: Refuse | None = None, mutable: I
                 stack.enter_context(_Watch(refuse, calls))
                 if refuse.aten:
                     stack.enter_context(_WatchAten(refuse, calls))
-                if refuse.codes or refuse.torch_functions:
-                    sys.setprofile(_profile(refuse, calls))
+            hook = _profile(watched, calls)
+            sys.setprofile(hook)
             try:
                 result["value"] = fn(*given, **kwargs)
             except BaseException as e:  # noqa: BLE001 - handed to the check's thread
                 result["error"] = e
             finally:
+                if sys.getprofile() is not hook and not calls:  # switched off another way (ctypes)
+                    calls.append(f"{_ESCAPE_WHY}: your code switched off the check's profile hook")
                 sys.setprofile(None)
 
     worker = threading.Thread(target=call, name="attnlib-exercise-answer", daemon=True)
     worker.start()
     worker.join()
-    changed = tampered()
+    changed = changed_names() + settings_changed(before_settings) + tampered()
     if changed:
         restore()
         raise Wrong(f"{what}: your code replaced the check's own {', '.join(changed[:3])}; the check puts them "
                     "back and grades what your code computes, so write the answer, not around the check")
     if calls:
-        raise Wrong(f"{refuse.why}: your code called {calls[0]}")
+        raise Wrong(calls[0])
     error = result.get("error")
     if error is not None:
         if isinstance(error, (Wrong, NotSolved)):
@@ -268,7 +316,7 @@ def run(fn: Any, *args: Any, what: str, refuse: Refuse | None = None, mutable: I
         blamed = fn if learner is None else learner
         if not _raised_by_learner(error, blamed):
             raise error  # the check's own failure (grade reports a checker error)
-        if isinstance(error, NotImplementedError):
+        if isinstance(error, NotImplementedError) and _last_frame_is(error, blamed):  # not torch's deep inside
             raise NotSolved(str(error) or "the stub still raises NotImplementedError")
         raise Wrong(f"{what}: your code raised {type(error).__name__}: {error}{_learner_line(error, blamed)}") from None
     for i, (old, new) in enumerate(zip(before, given)):
@@ -276,6 +324,13 @@ def run(fn: Any, *args: Any, what: str, refuse: Refuse | None = None, mutable: I
             raise Wrong(f"{what}: your code changed its argument {_arg_name(fn, i)} in place; leave the "
                         "inputs as they are (work on a copy, x.clone(), or return a new tensor)")
     return result["value"]
+
+
+def _last_frame_is(error: BaseException, answer: Any) -> bool:
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code in _learner_code(answer)
 
 
 def _arg_name(fn: Any, i: int) -> str:

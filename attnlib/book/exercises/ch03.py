@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.attention.flex_attention import create_mask
+from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from attnlib.attention import causal_mask, mods, padding_mask
+from attnlib.attention import masks as _masks
 from attnlib.attention.masks import mask_from_mod
 from attnlib.attention.teaching import CausalAttention, SelfAttentionV2
 from attnlib.book.exercises._core import case_rng, exercise, expect, expect_close, expect_tensor, randint
@@ -45,7 +46,25 @@ def _causal(T: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- 03.1
 
 #: 03.1 is "build it yourself": the library's document mask and the mask builders are refused.
-_OWN_DOCUMENT_MASK = Refuse(
+#: Every mask builder within reach: attnlib's (masks, mods), FlexAttention's, transformers' (by name: its
+#: masking_utils and AttentionMaskConverter); "build the mask yourself" refuses them all, whatever the exercise.
+_MASK_BUILDERS = Refuse("", *[f for module in (_masks, mods) for f in vars(module).values()
+                              if callable(f) and getattr(f, "__module__", None) == module.__name__],
+                        create_mask, create_block_mask, named=(
+    "sdpa_mask", "sdpa_mask_recent_torch", "sdpa_mask_older_torch", "eager_mask", "create_causal_mask",
+    "causal_mask_function", "padding_mask_function", "and_masks", "or_masks", "sliding_window_overlay",
+    "sliding_window_causal_mask_function", "create_sliding_window_causal_mask", "packed_sequence_mask_function",
+    "_prepare_4d_causal_attention_mask", "_prepare_4d_attention_mask", "_make_causal_mask", "_expand_mask",
+    "to_causal_4d", "to_4d", "_prepare_4d_causal_attention_mask_for_sdpa"))
+
+
+def _own(why: str, *targets) -> Refuse:
+    refuse = Refuse(why, *targets) + _MASK_BUILDERS
+    refuse.why = why
+    return refuse
+
+
+_OWN_DOCUMENT_MASK = _own(
     "build the document mask yourself from comparisons of doc_ids, not with attnlib's mods.document_mask, "
     "mask_from_mod or FlexAttention's create_mask", mods.document_mask, mask_from_mod, create_mask)
 
@@ -108,7 +127,7 @@ def check_document_mask(fn) -> None:
 
 
 #: 03.2 is "build the mask yourself": attnlib's mask helpers are refused wherever they are reached from.
-_OWN_MASK = Refuse("build the mask yourself from torch.arange or torch.tril, not with attnlib's mask helpers",
+_OWN_MASK = _own("build the mask yourself from torch.arange or torch.tril, not with attnlib's mask helpers",
                    causal_mask, padding_mask)
 
 
@@ -142,7 +161,7 @@ def check_batch_attention_mask(fn) -> None:
 
 
 #: 03.3: the library's sliding-window mask function is the whole answer, so it is refused.
-_OWN_WINDOW = Refuse("build the window mask yourself from comparisons or torch.tril, not with attnlib's "
+_OWN_WINDOW = _own("build the window mask yourself from comparisons or torch.tril, not with attnlib's "
                      "mods.sliding_window or mask_from_mod", mods.sliding_window, mask_from_mod, create_mask)
 
 

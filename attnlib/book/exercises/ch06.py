@@ -23,11 +23,14 @@ import math
 import torch
 import torch._dynamo  # noqa: F401  (a torch mode nested in run()'s imports it on first use, patching torch)
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from attnlib.attention import MultiHeadAttention, attention, causal_mask
+from attnlib.attention.flash import flash_attention
 from attnlib.attention.functions import sdpa_attention
+from attnlib.attention.tiled import tiled_attention
 from attnlib.book.exercises._core import (
     NotSolved,
     case_rng,
@@ -37,6 +40,7 @@ from attnlib.book.exercises._core import (
     expect_tensor,
     randint,
 )
+from attnlib.book.exercises._run import HF_ATTENTION as _HF_ATTENTION
 from attnlib.book.exercises._run import Refuse, run
 
 __all__ = ["check_kv_head_of", "check_gqa_attention", "check_pool_kv_heads"]
@@ -135,7 +139,8 @@ _GQA_CASES = [  # (B, n_heads, n_kv_heads, T_q, T_k, head_dim)
 
 #: 06.2 asks for the attention written by hand: the library's and PyTorch's functions are refused.
 _OWN_ATTENTION = Refuse("write the attention yourself (scores, causal mask, softmax, weighted sum of the values)",
-                        F.scaled_dot_product_attention, attention, sdpa_attention, aten="scaled_dot_product")
+                        F.scaled_dot_product_attention, attention, sdpa_attention, tiled_attention, flash_attention,
+                        flex_attention, aten="scaled_dot_product", named=_HF_ATTENTION)
 
 
 def _reference(q, k, v, mask, scale=None):

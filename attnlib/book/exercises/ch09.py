@@ -17,6 +17,7 @@ import torch._dynamo  # noqa: F401  (its import wraps torch.manual_seed: before 
 import torch.nn.functional as F
 
 from attnlib.attention import attention
+from attnlib.attention.masks import masked_softmax
 from attnlib.book.exercises._core import (
     NotSolved,
     case_rng,
@@ -27,7 +28,7 @@ from attnlib.book.exercises._core import (
     expect_tensor,
     randint,
 )
-from attnlib.book.exercises._run import Refuse, run
+from attnlib.book.exercises._run import HF_ATTENTION, Refuse, run
 
 __all__ = ["check_additive_attention", "check_cross_attention_weights", "check_rank_auc"]
 
@@ -40,8 +41,9 @@ def _reference_cross_weights(q, k, attention_mask):
 
 
 #: 09.1 asks for the weights written out: attnlib's attention (which returns them) and SDPA are refused.
-_BY_HAND = Refuse("write the weights with tensor operations, not with attnlib's attention or SDPA",
-                  attention, F.scaled_dot_product_attention,
+_BY_HAND = Refuse("write the weights with tensor operations, not with attnlib's attention, its masked "
+                  "softmax, SDPA or transformers' attention",
+                  attention, F.scaled_dot_product_attention, masked_softmax, named=HF_ATTENTION,
                   # torch.ops.aten.scaled_dot_product_attention decomposes before a dispatch mode sees it;
                   # its math path is the only user of aten._safe_softmax (torch.softmax is aten._softmax)
                   aten=("scaled_dot_product", "_safe_softmax"))
