@@ -97,8 +97,8 @@ def _rounds(fn, p: torch.Tensor, drafts: torch.Tensor, n: int, seed: int) -> lis
     g = torch.Generator().manual_seed(seed)
     k, out = drafts.numel(), []
     what = f"greedy_draft_round(p {tuple(p.shape)}, drafts={drafts.tolist()}, generator)"
-    for _ in range(n):
-        got = run(fn, p.clone(), drafts.clone(), g, what=what, copy_args=False)  # the generator must advance
+    # one run for the n rounds: the generator must advance from round to round
+    for got in run(fn, p.clone(), drafts.clone(), g, what=what, copy_args=False, repeat=n):
         if got is None:
             raise NotSolved("return the emitted tokens (a 1-D tensor), not None")
         expect_tensor(got, what)

@@ -2,16 +2,14 @@
 
 Every check calls the learner's code through :func:`run`, which
 
-* calls it in a thread of its own, so the answer cannot walk up the stack into the check's frames
-  (where the expected values and the reference live);
+* calls it in a thread of its own: the answer cannot walk up the stack into the check's frames;
 * refuses what the exercise forbids wherever it is reached from (:class:`Refuse`): Python functions
   and classes by their code (an alias, a re-export or a name imported in the chapter's own import
   cell is the same code), torch functions through a ``TorchFunctionMode`` and ATen operators
   (``torch.ops.aten...``) through a ``TorchDispatchMode``;
 * hands the answer copies and compares its arguments before and after (an answer that changes its
   input in place is told so, instead of the reference failing later on a changed tensor);
-* checks the call against the answer's signature first, and reports the answer's own exception with
-  the line of the answer that raised it;
+* checks the call against the answer's signature first; reports the answer's exception with its line;
 * checks that the answer left the check's helpers and torch's functions as they were
   (:func:`attnlib.book.exercises._guard.tampered`), so that replacing ``expect`` or ``torch.allclose`` cannot pass an answer.
 """
@@ -23,7 +21,6 @@ import copy
 import gc
 import inspect
 import linecache
-import os
 import sys
 import sysconfig
 import threading
@@ -37,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from attnlib.book.exercises._core import NotSolved, Wrong, _learner_code, _raised_by_learner
-from attnlib.book.exercises._guard import frozen, restore, settings, settings_changed, tampered
+from attnlib.book.exercises._guard import _TORCH_DIR, frozen, restore, settings, settings_changed, tampered
 
 __all__ = ["HF_ATTENTION", "Refuse", "run", "tensors_in"]
 
@@ -134,7 +131,6 @@ _ESCAPES = {f: f"{getattr(f, '__module__', None) or 'torch._C'}.{f.__name__}" fo
 _ESCAPE_WHY = ("an answer computes its result in its own call: it may not start a thread, switch off the check's "
                "watch or reach into the check's objects")
 _OP_CALLS = {torch._ops.OpOverload.__call__.__code__, torch._ops.OpOverloadPacket.__call__.__code__}
-_TORCH_DIR = os.path.dirname(torch.__file__)
 _STDLIB = sysconfig.get_paths()["stdlib"]
 
 
@@ -144,11 +140,16 @@ def _from_torch(frame: Any) -> bool:
             frame.f_code.co_filename:
         frame = frame.f_back
     return frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
-                                  or frame.f_code.co_filename == __file__)
+                                  or frame.f_code.co_filename == _from_torch.__code__.co_filename)
 
 
-def _profile(refuse: Refuse, calls: list[str]) -> Callable:
+def _profile(refuse: Refuse, calls: list[str], previous: Callable | None = None) -> Callable:
     def hook(frame, event, arg):
+        try:
+            previous is not None and previous(frame, event, arg)
+        except Wrong as e:  # the hook of inside= refused the call
+            calls.append(str(e))
+            raise
         label, why = None, refuse.why
         if event == "call":
             label = refuse.codes.get(frame.f_code)
@@ -243,7 +244,7 @@ def _learner_line(error: BaseException, answer: Any) -> str:
 
 def run(fn: Any, *args: Any, what: str, refuse: Refuse | None = None, mutable: Iterable[int] = (),
         inside: Iterable[contextlib.AbstractContextManager] = (), copy_args: bool = True, learner: Any = None,
-        **kwargs: Any) -> Any:
+        repeat: int = 0, **kwargs: Any) -> Any:
     """Call the learner's ``fn(*args, **kwargs)`` as a check must; return what it returned.
 
     Args:
@@ -256,6 +257,8 @@ def run(fn: Any, *args: Any, what: str, refuse: Refuse | None = None, mutable: I
         copy_args: pass deep copies of the arguments (the check keeps its own); ``False`` passes them as they are.
         learner: the learner's answer when ``fn`` is the check's own wrapper around it (whose code an
             exception must come from to be the learner's); ``fn`` by default.
+        repeat: call ``fn`` this many times on the same arguments in one run and return the list of
+            results (a sampler's law is checked over thousands of calls); ``0``: once, the result itself.
 
     Raises:
         Wrong: the signature does not take these arguments, the answer raised, changed an argument in
@@ -286,10 +289,10 @@ def run(fn: Any, *args: Any, what: str, refuse: Refuse | None = None, mutable: I
                 stack.enter_context(_Watch(refuse, calls))
                 if refuse.aten:
                     stack.enter_context(_WatchAten(refuse, calls))
-            hook = _profile(watched, calls)
+            hook = _profile(watched, calls, sys.getprofile())  # after a hook of inside=, which it calls first
             sys.setprofile(hook)
             try:
-                result["value"] = fn(*given, **kwargs)
+                result["value"] = [fn(*given, **kwargs) for _ in range(repeat)] if repeat else fn(*given, **kwargs)
             except BaseException as e:  # noqa: BLE001 - handed to the check's thread
                 result["error"] = e
             finally:
