@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from exercise_table import Answers
 
 from attnlib.book.exercises import grade
+from attnlib.layers import LayerNorm
 from attnlib.positional import sinusoidal_encoding
 
 
@@ -161,65 +162,162 @@ def one_element(logits, targets, eps, pad_id):
     return smoothed(logits, targets, eps, pad_id).reshape(1)
 
 
-# 10.3 the decoder's mask -----------------------------------------------------
+# 10.3 LayerNorm's backward ----------------------------------------------------
 
-def mask(tgt, pad_id):
-    T = tgt.shape[1]
-    return torch.ones(T, T, dtype=torch.bool).tril() & (tgt != pad_id)[:, None, None, :]
-
-
-def padding_queries(tgt, pad_id):  # masks padding rows instead of columns
-    T = tgt.shape[1]
-    return torch.ones(T, T, dtype=torch.bool).tril() & (tgt != pad_id)[:, None, :, None]
-
-
-def causal_only(tgt, pad_id):
-    T = tgt.shape[1]
-    return torch.ones(T, T, dtype=torch.bool).tril().expand(tgt.shape[0], 1, T, T)
+def ln_backward(x, weight, dy, eps):
+    mu = x.mean(-1, keepdim=True)
+    r = ((x - mu).pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+    x_hat = (x - mu) * r
+    g = dy * weight
+    dx = r * (g - g.mean(-1, keepdim=True) - x_hat * (g * x_hat).mean(-1, keepdim=True))
+    d = x.shape[-1]
+    return dx, (dy * x_hat).reshape(-1, d).sum(0), dy.reshape(-1, d).sum(0)
 
 
-def upper_triangle(tgt, pad_id):
-    T = tgt.shape[1]
-    return torch.ones(T, T, dtype=torch.bool).triu() & (tgt != pad_id)[:, None, None, :]
+def sum_over_empty_dims(x, weight, dy, eps):  # sum(dim=()) sums everything when x is 1-D
+    dx, _, _ = ln_backward(x, weight, dy, eps)
+    lead = tuple(range(x.dim() - 1))
+    x_hat = (x - x.mean(-1, keepdim=True)) * ((x - x.mean(-1, keepdim=True)).pow(2).mean(
+        -1, keepdim=True) + eps).rsqrt()
+    return dx, (dy * x_hat).sum(lead), dy.sum(lead)
 
 
-def no_head_axis(tgt, pad_id):
-    return mask(tgt, pad_id)[:, 0]
+def ln_backward_by_jacobian(x, weight, dy, eps):  # another way: each row's Jacobian, as a matrix
+    d = x.shape[-1]
+    xs, dys = x.reshape(-1, d).double(), dy.reshape(-1, d).double()
+    dx = torch.empty_like(xs)
+    dw = torch.zeros(d, dtype=torch.float64)
+    for n in range(xs.shape[0]):
+        c = xs[n] - xs[n].mean()
+        r = 1 / math.sqrt((c @ c).item() / d + eps)
+        x_hat = c * r
+        jac = r * (torch.eye(d, dtype=torch.float64) - 1 / d - torch.outer(x_hat, x_hat) / d)
+        dx[n] = (dys[n] * weight.double()) @ jac  # jac is symmetric: dx_j = sum_i g_i dxhat_i/dx_j
+        dw += dys[n] * x_hat
+    return dx.reshape(x.shape).to(x.dtype), dw.to(x.dtype), dys.sum(0).to(x.dtype)
 
 
-def float_mask(tgt, pad_id):
-    return mask(tgt, pad_id).float()
+def by_autograd(x, weight, dy, eps):
+    x = x.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    b = torch.zeros_like(weight, requires_grad=True)
+    y = F.layer_norm(x, (x.shape[-1],), w, b, eps)
+    return torch.autograd.grad(y, (x, w, b), dy)
 
 
-def inverted(tgt, pad_id):  # True = masked, as nn.MultiheadAttention's key_padding_mask
-    return ~mask(tgt, pad_id)
+def ln_through_aten(x, weight, dy, eps):  # the fused backward kernel
+    d = x.shape[-1]
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [d], weight, None, eps)
+    return torch.ops.aten.native_layer_norm_backward(dy, x, [d], mean, rstd, weight,
+                                                     torch.zeros_like(weight), [True, True, True])
 
 
-def rows_and_keys(tgt, pad_id):  # padding queries masked as well as padding keys
-    return mask(tgt, pad_id) & (tgt != pad_id)[:, None, :, None]
+def through_grad_fn(x, weight, dy, eps):  # calls the graph's node directly
+    x = x.clone().requires_grad_()
+    y = LayerNorm(x.shape[-1], eps)(x)
+    return y.grad_fn(dy)[0], ln_backward(x.detach(), weight, dy, eps)[1], dy.sum(0)
 
 
-def strictly_lower(tgt, pad_id):  # tril(-1): a query cannot see itself
-    T = tgt.shape[1]
-    return torch.ones(T, T, dtype=torch.bool).tril(-1) & (tgt != pad_id)[:, None, None, :]
+def constants(x, weight, dy, eps):  # mu and sigma treated as constants
+    dx, dw, db = ln_backward(x, weight, dy, eps)
+    r = ((x - x.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+    return dy * weight * r, dw, db
 
 
-def mask_from_arange(tgt, pad_id):  # another way: compare positions
-    pos = torch.arange(tgt.shape[1])
-    return (pos[None, :] <= pos[:, None])[None, None] & (tgt != pad_id)[:, None, None, :]
+def no_mean_term(x, weight, dy, eps):
+    dx, dw, db = ln_backward(x, weight, dy, eps)
+    xc = x - x.mean(-1, keepdim=True)
+    r = (xc.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+    g, x_hat = dy * weight, xc * r
+    return r * (g - x_hat * (g * x_hat).mean(-1, keepdim=True)), dw, db
 
 
-class AlwaysEqual(torch.Tensor):  # a subclass whose == and equal are always true
-    def __eq__(self, other):
-        return True
+def no_variance_term(x, weight, dy, eps):
+    dx, dw, db = ln_backward(x, weight, dy, eps)
+    r = ((x - x.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+    g = dy * weight
+    return r * (g - g.mean(-1, keepdim=True)), dw, db
 
 
-def subclass_mask(tgt, pad_id):
-    return mask(tgt, pad_id).as_subclass(AlwaysEqual)
+def rmsnorm_backward(x, weight, dy, eps):  # chapter 10's other norm: no centring
+    dx, dw, db = ln_backward(x, weight, dy, eps)
+    r = (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+    g, x_hat = dy * weight, x * r
+    return r * (g - x_hat * (g * x_hat).mean(-1, keepdim=True)), dw, db
 
 
-def memorised_mask(tgt, pad_id):  # right for batches of two, causal only otherwise
-    return mask(tgt, pad_id) if tgt.shape[0] == 2 else causal_only(tgt, pad_id)
+def gain_forgotten(x, weight, dy, eps):
+    return ln_backward(x, torch.ones_like(weight), dy, eps)[0], *ln_backward(x, weight, dy, eps)[1:]
+
+
+def unbiased_variance(x, weight, dy, eps):
+    d = x.shape[-1]
+    mu = x.mean(-1, keepdim=True)
+    r = ((x - mu).pow(2).sum(-1, keepdim=True) / (d - 1) + eps).rsqrt()
+    x_hat = (x - mu) * r
+    g = dy * weight
+    # with v = sum c^2 / (d - 1), dv/dx = 2c / (d - 1); the variance term scales by d / (d - 1)
+    dx = r * (g - g.mean(-1, keepdim=True) - x_hat * (g * x_hat).sum(-1, keepdim=True) / (d - 1))
+    return dx, *ln_backward(x, weight, dy, eps)[1:]
+
+
+def eps_outside(x, weight, dy, eps):  # 1 / (sigma + eps)
+    mu = x.mean(-1, keepdim=True)
+    s = (x - mu).pow(2).mean(-1, keepdim=True).sqrt()
+    r = 1 / (s + eps)
+    x_hat = (x - mu) * r
+    g = dy * weight
+    dx = r * (g - g.mean(-1, keepdim=True) - x_hat * (g * x_hat).mean(-1, keepdim=True) / (s * r))
+    return dx, *ln_backward(x, weight, dy, eps)[1:]
+
+
+def not_summed(x, weight, dy, eps):  # dweight, dbias per position
+    dx, _, _ = ln_backward(x, weight, dy, eps)
+    x_hat = (x - x.mean(-1, keepdim=True)) * ((x - x.mean(-1, keepdim=True)).pow(2).mean(
+        -1, keepdim=True) + eps).rsqrt()
+    return dx, dy * x_hat, dy
+
+
+def summed_over_first_dim(x, weight, dy, eps):  # misses the other leading dimensions
+    dx, _, _ = ln_backward(x, weight, dy, eps)
+    x_hat = (x - x.mean(-1, keepdim=True)) * ((x - x.mean(-1, keepdim=True)).pow(2).mean(
+        -1, keepdim=True) + eps).rsqrt()
+    return dx, (dy * x_hat).sum(0), dy.sum(0)
+
+
+def dweight_from_x(x, weight, dy, eps):  # dy * x, not dy * x_hat
+    dx, _, db = ln_backward(x, weight, dy, eps)
+    return dx, (dy * x).reshape(-1, x.shape[-1]).sum(0), db
+
+
+def dbias_mean(x, weight, dy, eps):
+    dx, dw, _ = ln_backward(x, weight, dy, eps)
+    return dx, dw, dy.reshape(-1, x.shape[-1]).mean(0)
+
+
+def swapped(x, weight, dy, eps):
+    dx, dw, db = ln_backward(x, weight, dy, eps)
+    return dx, db, dw
+
+
+def in_float64(x, weight, dy, eps):
+    return tuple(t.double() for t in ln_backward(x.double(), weight.double(), dy.double(), eps))
+
+
+def dx_only(x, weight, dy, eps):
+    return ln_backward(x, weight, dy, eps)[0]
+
+
+def scales_dy_in_place(x, weight, dy, eps):
+    dy.mul_(weight)
+    dx, _, _ = ln_backward(x, torch.ones_like(weight), dy, eps)
+    return dx, *ln_backward(x, weight, dy / weight, eps)[1:]
+
+
+def memorised_backward(x, weight, dy, eps):  # right on the fixed cases' shapes only
+    if tuple(x.shape) in ((6,), (2, 3, 8), (3, 1), (4, 5)):
+        return ln_backward(x, weight, dy, eps)
+    return constants(x, weight, dy, eps)
 
 
 def test_stubs_are_not_solved():
@@ -261,18 +359,28 @@ ANSWERS = {
         ],
     ),
     "10.3": Answers(
-        correct=[mask, mask_from_arange],
+        correct=[ln_backward, ln_backward_by_jacobian],
         wrong=[
-            (padding_queries, "padding QUERIES (rows)"),
-            (causal_only, "padding KEYS"),
-            (upper_triangle, "lower triangle"),
-            (no_head_axis, "(B, 1, T, T)"),
-            (float_mask, "boolean tensor"),
-            (inverted, "inverted"),
-            (rows_and_keys, "padding QUERIES (rows) were masked too"),
-            (strictly_lower, "diagonal is masked"),
-            (subclass_mask, "should be a torch.Tensor"),
-            (memorised_mask, "padding KEYS"),
+            (by_autograd, "without autograd"),
+            (ln_through_aten, "without autograd"),
+            (through_grad_fn, "autograd graph"),
+            (constants, "treated as constants"),
+            (no_mean_term, "the mean's term is missing"),
+            (no_variance_term, "the variance's term is missing"),
+            (rmsnorm_backward, "RMSNorm's backward"),
+            (gain_forgotten, "gain is missing"),
+            (unbiased_variance, "biased one"),
+            (eps_outside, "inside the square root"),
+            (not_summed, "sum their gradients over every leading dimension"),
+            (summed_over_first_dim, "has shape"),
+            (sum_over_empty_dims, "dim=()"),
+            (dweight_from_x, "not dy * x"),
+            (dbias_mean, "so sum"),
+            (swapped, "swapped"),
+            (in_float64, "expected torch.float32"),
+            (dx_only, "the tuple (dx, dweight, dbias)"),
+            (scales_dy_in_place, "in place"),
+            (memorised_backward, "treated as constants"),
         ],
     ),
 }

@@ -6,7 +6,9 @@
 * 10.2 ``check_smoothed_loss``: cross-entropy with label smoothing (Vaswani et al. 2017, §5.4),
   PyTorch's convention (``eps / |V|`` on every token), padding ignored, without
   ``F.cross_entropy`` (refused under any name, ``torch.ops.aten`` included).
-* 10.3 ``check_decoder_mask``: the decoder's self-attention mask, causal AND target padding.
+* 10.3 ``check_layernorm_backward``: ``(dx, dweight, dbias)`` of LayerNorm (Ba et al. 2016) given ``dy``,
+  by hand: autograd (``saved_tensors_hooks`` notice any graph), ``native_layer_norm_backward`` and
+  attnlib's written-out RMSNorm backward are refused; compared with float64 autograd.
 
 Every check calls the answer through :func:`run` and draws fresh random cases from
 :func:`case_rng` besides its fixed edge cases.
@@ -16,14 +18,19 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.autograd.forward_ad
+import torch.autograd.functional
+import torch.func
 import torch.nn.functional as F
+from torch.autograd.graph import saved_tensors_hooks
 
 from attnlib.book.exercises._ch10_doors import RefuseOps
 from attnlib.book.exercises._core import case_rng, exercise, expect, expect_close, expect_tensor, randint
 from attnlib.book.exercises._run import Refuse, run
+from attnlib.layers.norms import _RMSNormFunction
 from attnlib.positional import sinusoidal_encoding
 
-__all__ = ["check_decoder_mask", "check_shift_matrix", "check_smoothed_loss"]
+__all__ = ["check_layernorm_backward", "check_shift_matrix", "check_smoothed_loss"]
 
 
 # ---------------------------------------------------------------- 10.1
@@ -137,46 +144,145 @@ def check_smoothed_loss(answer) -> None:
 
 
 # ---------------------------------------------------------------- 10.3
-def _targets(g: torch.Generator, B: int, T: int, pad_id: int) -> torch.Tensor:
-    tgt = torch.randint(0, 9, (B, T), generator=g)
-    tgt[tgt == pad_id] = pad_id + 1
-    lengths = torch.randint(1, T + 1, (B,), generator=g)
-    lengths[0] = max(1, T - 2)  # some padding in row 0
-    for b in range(B):
-        tgt[b, int(lengths[b]):] = pad_id
-    return tgt
+#: "by hand": autograd (reverse and forward mode) and every written-out backward of a norm are refused
+_BY_HAND = Refuse(
+    "work out LayerNorm's backward by hand, without autograd or a library's backward",
+    torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward, torch.autograd.functional.vjp,
+    torch.autograd.functional.jvp, torch.autograd.functional.jacobian, torch.func.grad, torch.func.vjp,
+    torch.func.jvp, torch.func.jacrev, torch.func.jacfwd, torch.func.grad_and_value, torch.func.linearize,
+    torch.autograd.forward_ad.make_dual, torch.autograd.graph.disable_saved_tensors_hooks, _RMSNormFunction,
+    aten=("layer_norm_backward", "rms_norm_backward"))
+
+
+class _GraphWatch:
+    """Notes whether the answer recorded an autograd graph (a tensor saved for a backward pass)."""
+
+    def __init__(self) -> None:
+        self.recorded = False
+        self._hooks = saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.recorded = True
+        return tensor
+
+    def __enter__(self) -> _GraphWatch:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def _ln(x: torch.Tensor, w: torch.Tensor, eps: float, unbiased: bool = False, eps_outside: bool = False):
+    mu = x.mean(-1, keepdim=True)
+    var = x.var(-1, keepdim=True, unbiased=unbiased)
+    scale = var.sqrt() + eps if eps_outside else (var + eps).sqrt()
+    return (x - mu) / scale * w
+
+
+def _vjp(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, eps: float, **slip: bool) -> tuple[torch.Tensor, ...]:
+    """(dx, dweight) of sum(LN(x) * dy) by float64 autograd, for LayerNorm or one of its slips."""
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    with torch.enable_grad():
+        return torch.autograd.grad((_ln(x64, w64, eps, **slip) * dy.double()).sum(), (x64, w64))
+
+
+def _slips(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:
+    """dx as the usual slips give it, most specific first (float64)."""
+    x, w, dy = x.double(), w.double(), dy.double()
+    xc = x - x.mean(-1, keepdim=True)
+    r = (xc.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+    x_hat, g = xc * r, dy * w
+    r_rms = (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+    slips = {
+        "the mean and the variance were treated as constants: both depend on every x_j, so dx has two "
+        "more terms (differentiate mu and sigma^2 too)": g * r,
+        "that is RMSNorm's backward: LayerNorm also subtracts the mean, which depends on every x_j":
+            r_rms * (g - x * r_rms * (g * x * r_rms).mean(-1, keepdim=True)),
+        "the variance's term is missing: sigma^2 depends on x too (the term -x_hat * mean(g * x_hat))":
+            r * (g - g.mean(-1, keepdim=True)),
+        "the mean's term is missing: mu depends on x too (the term -mean(g))":
+            r * (g - x_hat * (g * x_hat).mean(-1, keepdim=True)),
+        "the gain is missing from dx: the gradient reaching x_hat is dy * weight, not dy":
+            r * (dy - dy.mean(-1, keepdim=True) - x_hat * (dy * x_hat).mean(-1, keepdim=True)),
+    }
+    if x.shape[-1] > 1:  # with d = 1 both divide by zero
+        slips["LayerNorm's variance is the biased one (divide by d, as nn.LayerNorm does), not d - 1"] = \
+            _vjp(x, w, dy, eps, unbiased=True)[0]
+        slips["eps goes inside the square root, 1/sqrt(sigma^2 + eps), not 1/(sigma + eps)"] = \
+            _vjp(x, w, dy, eps, eps_outside=True)[0]
+    return slips
+
+
+def _norm_cases(g: torch.Generator) -> list[tuple[tuple[int, ...], int, float, float]]:
+    """(leading dims, d, eps, scale of x): a vector; two leading dims; eps larger than the variance; d = 1."""
+    cases = [((), 6, 1e-5, 2.0), ((2, 3), 8, 1e-5, 1.0), ((4,), 5, 1e-2, 0.05), ((3,), 1, 1e-5, 1.0)]
+    for _ in range(3):
+        lead = tuple(randint(g, 1, 4) for _ in range(randint(g, 0, 2)))
+        cases.append((lead, randint(g, 2, 24), (1e-5, 1e-3, 1e-1)[randint(g, 0, 2)], (0.1, 1.0, 3.0)[randint(g, 0, 2)]))
+    return cases
 
 
 @exercise("10.3")
-def check_decoder_mask(answer) -> None:
-    """Check ``answer(tgt, pad_id)`` returns the boolean causal & key-padding mask of shape ``(B, 1, T, T)``."""
-    g = case_rng()
-    cases = [(2, 5, 0), (3, 7, 4), (1, 1, 0), (1, 4, 2)]
-    cases += [(randint(g, 1, 4), randint(g, 2, 12), randint(g, 0, 8)) for _ in range(3)]
-    for B, T, pad_id in cases:
-        tgt = _targets(g, B, T, pad_id)
-        what = f"decoder_mask(tgt={tgt.tolist()}, pad_id={pad_id})"
-        out = expect_tensor(run(answer, tgt, pad_id, what=what), what)
-        expect(out.dtype == torch.bool, f"{what} has dtype {out.dtype}; return a boolean tensor "
-                                        "(True = may attend)")
-        expect(tuple(out.shape) == (B, 1, T, T), f"{what}: the shape should be (B, 1, T, T) = {(B, 1, T, T)}, "
-                                                 f"got {tuple(out.shape)}")
-        i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
-        real = tgt != pad_id  # (B, T)
-        ref = (j <= i) & real[:, None, None, :]  # (B, 1, T, T): key j real and not after query i
-        if torch.equal(out, ref):
-            continue
-        expect(not torch.equal(out, ~ref), "True must mean 'may attend': that mask is inverted (True = "
-               "masked, the convention of nn.MultiheadAttention's key_padding_mask); return its negation")
-        expect(T == 1 or not out[:, :, 0, 1:].any(), "position 0 may only see itself: use the lower triangle "
-                                                     "(tril)")
-        expect(not torch.equal(out, ref & real[:, None, :, None]),
-               "padding QUERIES (rows) were masked too: a padding row then has no key at all "
-               "(softmax over all -inf is NaN); mask only the padding keys, (B, 1, 1, T)")
-        expect(not torch.equal(out, ref & (j != i)),
-               "the diagonal is masked: query i may attend key j for j <= i, itself included "
-               "(tril with diagonal=0)")
-        expect(not (out & ~real[:, None, None, :]).any(),
-               "a padding token must never be attended to: mask the padding KEYS (columns)")
-        expect(False, "every real key at or before the query should be allowed: "
-                      "causal mask & (tgt != pad_id) along the keys")
+def check_layernorm_backward(answer) -> None:
+    """Check ``answer(x, weight, dy, eps) -> (dx, dweight, dbias)`` against float64 autograd, autograd refused."""
+    rng = case_rng()
+    for lead, d, eps, scale in _norm_cases(rng):
+        x = torch.randn(*lead, d, generator=rng) * scale + torch.randn((), generator=rng)  # off-centre
+        w = torch.empty(d).uniform_(0.5, 2.0, generator=rng) * torch.randn(d, generator=rng).sign()
+        dy = torch.randn(*lead, d, generator=rng)
+        what = f"layernorm_backward(x {tuple(x.shape)}, weight ({d},), dy {tuple(dy.shape)}, eps={eps:g})"
+        watch, ops = _GraphWatch(), RefuseOps(_BY_HAND.why, "layer_norm_backward", "rms_norm_backward")
+        out = run(answer, x, w, dy, eps, what=what, refuse=_BY_HAND, inside=(watch, ops))
+        ops.verdict()
+        expect(not watch.recorded, f"{what}: {_BY_HAND.why}: your code recorded an autograd graph "
+                                   "(requires_grad on a tensor); write the chain rule out with tensor ops")
+        expect(type(out) in (tuple, list) and len(out) == 3,
+               f"{what} should return the tuple (dx, dweight, dbias), got {type(out).__name__}"
+               + (f" of length {len(out)}" if type(out) in (tuple, list) else ""))
+        dx, dw, db = out
+        expect_tensor(dx, f"dx of {what}", shape=tuple(x.shape), dtype=x.dtype)
+        for name, t in (("dweight", dw), ("dbias", db)):
+            expect_tensor(t, f"{name} of {what}")
+            expect(not (lead and tuple(t.shape) == tuple(x.shape)),
+                   f"{name} of {what} has the shape of x: weight and bias are shared by every position, "
+                   f"so sum their gradients over every leading dimension, to shape ({d},)")
+            expect(lead or tuple(t.shape) != (), f"{name} of {what} has shape (): for a 1-D x there is no "
+                   f"leading dimension to sum over, and x.sum(dim=()) sums over EVERY dimension; "
+                   f"flatten the leading ones first, reshape(-1, d).sum(0)")
+            expect_tensor(t, f"{name} of {what}", shape=(d,), dtype=x.dtype)
+        # the expected values, computed after the answer ran, by float64 autograd of the definition
+        exp_dx, exp_dw = _vjp(x, w, dy, eps)
+        exp_db = dy.double().reshape(-1, d).sum(0)
+
+        # float32's rounding scales with the terms that cancel in dx, r * |dy * weight| (large where a row's
+        # variance is small), not with dx itself (about 0 when d = 2: LayerNorm then gives +-weight + bias)
+        x64 = x.double()
+        r = ((x64 - x64.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+        terms = (r * (dy.double() * w.double()).abs()).max().item()
+
+        def near(got: torch.Tensor, want: torch.Tensor, size: float = 0.0) -> bool:
+            tol = 1e-5 * max(1.0, want.abs().max().item(), size)
+            return bool(torch.allclose(got.detach().double(), want, atol=tol, rtol=1e-4))
+
+        expect(not (near(dw, exp_db) and near(db, exp_dw)) or near(dw, exp_dw),
+               f"{what}: dweight and dbias are swapped: return (dx, dweight, dbias) in that order")
+        if not near(dx, exp_dx, terms):
+            for hint, slip in _slips(x, w, dy, eps).items():
+                expect(not near(dx, slip, terms), f"dx of {what}: {hint}")
+            expect(d != 1 or bool(dx.abs().max() < 1e-6),
+                   f"dx of {what}: with d = 1, LayerNorm's output is 0 whatever x (x - mu = 0), so dx must be 0")
+            expect(False, f"dx of {what} differs from autograd's (max abs difference "
+                          f"{(dx.double() - exp_dx).abs().max().item():.3g})")
+        x_plain = (x.double() - x.double().mean(-1, keepdim=True)).reshape(-1, d)
+        expect(near(dw, exp_dw) or not near(dw, (dy.double().reshape(-1, d) * x_plain).sum(0)),
+               f"dweight of {what}: the gain multiplies the normalised x_hat = (x - mu) / sqrt(sigma^2 + eps), "
+               "so dweight = sum of dy * x_hat, not dy * (x - mu)")
+        expect(near(dw, exp_dw) or not near(dw, (dy.double() * x.double()).reshape(-1, d).sum(0)),
+               f"dweight of {what}: the gain multiplies the normalised x_hat, so dweight = sum of dy * x_hat, "
+               "not dy * x")
+        expect(near(dw, exp_dw), f"dweight of {what} differs from autograd's: the sum over every position "
+                                 "of dy * x_hat")
+        expect(near(db, exp_db) or not near(db, exp_db / (dy.numel() // d)),
+               f"dbias of {what}: that is the mean of dy over the positions; the loss sums over them, so sum")
+        expect(near(db, exp_db), f"dbias of {what} differs from autograd's: the sum of dy over every position")
