@@ -174,59 +174,86 @@ def dynamic_by_transformers(q, k, base, factor, original_length):
 
 
 # ---------------------------------------------------------------- 17.6
-class RingCache:  # the solution's way: slots p % window, the empty ones masked
+class RingCache:  # the solution's way: attend over (old ring + chunk) with a per-query mask, then write
     def __init__(self, window, batch_size, n_heads, head_dim):
         self.window = window
         self.k = torch.zeros(batch_size, n_heads, window, head_dim)
         self.v = torch.zeros(batch_size, n_heads, window, head_dim)
 
-    def step(self, q, k, v, position):
-        slot = position % self.window
-        self.k[:, :, slot] = k[:, :, 0]
-        self.v[:, :, slot] = v[:, :, 0]
-        scores = q @ self.k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, h, 1, window)
-        filled = torch.arange(self.window) <= position  # slots written so far
-        weights = scores.masked_fill(~filled, float("-inf")).softmax(-1)
-        return weights @ self.v  # (B, h, 1, head_dim)
+    def positions(self, start):  # the position each slot holds before the chunk (< 0: empty)
+        return start - 1 - (start - 1 - torch.arange(self.window)) % self.window
 
+    def attend(self, q, k, v, start, held, causal=True, scale=True):
+        w, T = self.window, q.shape[2]
+        new = start + torch.arange(T)
+        pos = torch.cat([held, new])
+        age = new[:, None] - pos[None, :]
+        visible = (pos >= 0) & (age < w) & ((age >= 0) | (not causal))
+        scores = q @ torch.cat([self.k, k], 2).transpose(-2, -1)
+        scores = scores / math.sqrt(q.shape[-1]) if scale else scores
+        return scores.masked_fill(~visible, float("-inf")).softmax(-1) @ torch.cat([self.v, v], 2)
 
-class RingCacheSDPA:  # another way: the filled slots only, through PyTorch's attention
-    def __init__(self, window, batch_size, n_heads, head_dim):
-        self.window, self.seen = window, 0
-        self.k = torch.zeros(batch_size, n_heads, window, head_dim)
-        self.v = torch.zeros_like(self.k)
+    def write(self, k, v, start):
+        n = min(k.shape[2], self.window)
+        slots = (start + k.shape[2] - n + torch.arange(n)) % self.window  # the chunk's last n positions
+        self.k[:, :, slots], self.v[:, :, slots] = k[:, :, -n:], v[:, :, -n:]
 
-    def step(self, q, k, v, position):
-        self.k[:, :, position % self.window] = k.squeeze(2)
-        self.v[:, :, position % self.window] = v.squeeze(2)
-        n = min(position + 1, self.window)  # the slots 0 ... n - 1 are filled
-        return F.scaled_dot_product_attention(q, self.k[:, :, :n], self.v[:, :, :n])
-
-
-class RingZerosSeen(RingCache):
-    def step(self, q, k, v, position):
-        slot = position % self.window
-        self.k[:, :, slot], self.v[:, :, slot] = k[:, :, 0], v[:, :, 0]
-        return (q @ self.k.transpose(-2, -1) / math.sqrt(q.shape[-1])).softmax(-1) @ self.v
-
-
-class RingAttendFirst(RingCache):
-    def step(self, q, k, v, position):
-        n = min(position, self.window)
-        if n == 0:
-            out = v.clone()
-        else:
-            out = F.scaled_dot_product_attention(q, self.k[:, :, :n], self.v[:, :, :n])
-        self.k[:, :, position % self.window], self.v[:, :, position % self.window] = k[:, :, 0], v[:, :, 0]
+    def step(self, q, k, v, start):
+        out = self.attend(q, k, v, start, self.positions(start))
+        self.write(k, v, start)
         return out
 
 
-class RingRolled(RingCache):  # keeps the slots in order, newest last: correct outputs, not slot p % window
-    def step(self, q, k, v, position):
-        self.k, self.v = self.k.roll(-1, dims=2), self.v.roll(-1, dims=2)
-        self.k[:, :, -1], self.v[:, :, -1] = k[:, :, 0], v[:, :, 0]
-        n = min(position + 1, self.window)
-        return F.scaled_dot_product_attention(q, self.k[:, :, -n:], self.v[:, :, -n:])
+class RingCacheTokenByToken:  # another way: Exercise 08.1's write-then-attend, one token of the chunk at a time
+    def __init__(self, window, batch_size, n_heads, head_dim):
+        self.window = window
+        self.k = torch.zeros(batch_size, n_heads, window, head_dim)
+        self.v = torch.zeros_like(self.k)
+
+    def step(self, q, k, v, start):
+        outs = []
+        for i in range(q.shape[2]):
+            p = start + i
+            self.k[:, :, p % self.window], self.v[:, :, p % self.window] = k[:, :, i], v[:, :, i]
+            n = min(p + 1, self.window)  # the slots 0 ... n - 1 are filled
+            outs.append(F.scaled_dot_product_attention(q[:, :, i : i + 1], self.k[:, :, :n], self.v[:, :, :n]))
+        return torch.cat(outs, dim=2)
+
+
+class RingWritesFirst(RingCache):  # 08.1's order for a whole chunk: write, then attend over the ring
+    def step(self, q, k, v, start):
+        self.write(k, v, start)
+        end = start + q.shape[2]
+        held = end - 1 - (end - 1 - torch.arange(self.window)) % self.window  # the slots after the write
+        w, T = self.window, q.shape[2]
+        new = start + torch.arange(T)
+        age = new[:, None] - held[None, :]
+        visible = (held >= 0) & (age >= 0) & (age < w)
+        scores = q @ self.k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        return scores.masked_fill(~visible, float("-inf")).softmax(-1) @ self.v
+
+
+class RingInOrder(RingCache):  # the mask reads the old ring as positions start - window ... start - 1 in slot order
+    def step(self, q, k, v, start):
+        out = self.attend(q, k, v, start, start - self.window + torch.arange(self.window))
+        self.write(k, v, start)
+        return out
+
+
+class RingLongChunkMisplaced(RingCache):  # a chunk longer than the window: its last w keys put from slot start % w
+    def write(self, k, v, start):
+        n = min(k.shape[2], self.window)
+        slots = (start + torch.arange(n)) % self.window
+        self.k[:, :, slots], self.v[:, :, slots] = k[:, :, -n:], v[:, :, -n:]
+
+
+class RingOneTokenOnly(RingCache):  # Exercise 08.1's step: only the chunk's first token is written
+    def step(self, q, k, v, start):
+        slot = start % self.window
+        self.k[:, :, slot], self.v[:, :, slot] = k[:, :, 0], v[:, :, 0]
+        scores = q @ self.k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        filled = torch.arange(self.window) <= start
+        return scores.masked_fill(~filled, float("-inf")).softmax(-1) @ self.v
 
 
 class RingKeepsEverything(RingCache):
@@ -234,15 +261,33 @@ class RingKeepsEverything(RingCache):
         super().__init__(window, batch_size, n_heads, head_dim)
         self.all_k, self.all_v = [], []
 
-    def step(self, q, k, v, position):
+    def step(self, q, k, v, start):
         self.all_k.append(k)
         self.all_v.append(v)
-        return super().step(q, k, v, position)
+        return super().step(q, k, v, start)
+
+
+class RingZerosSeen(RingCache):  # the empty slots' negative positions are not masked: zero keys get weight
+    def attend(self, q, k, v, start, held, causal=True, scale=True):
+        new = start + torch.arange(q.shape[2])
+        age = new[:, None] - torch.cat([held, new])[None, :]
+        visible = (age >= 0) & (age < self.window)
+        scores = q @ torch.cat([self.k, k], 2).transpose(-2, -1) / math.sqrt(q.shape[-1])
+        return scores.masked_fill(~visible, float("-inf")).softmax(-1) @ torch.cat([self.v, v], 2)
+
+
+class RingNotCausal(RingCache):
+    def step(self, q, k, v, start):
+        out = self.attend(q, k, v, start, self.positions(start), causal=False)
+        self.write(k, v, start)
+        return out
 
 
 class RingUnscaled(RingCache):
-    def step(self, q, k, v, position):
-        return super().step(q * math.sqrt(q.shape[-1]), k, v, position)
+    def step(self, q, k, v, start):
+        out = self.attend(q, k, v, start, self.positions(start), scale=False)
+        self.write(k, v, start)
+        return out
 
 
 class RingThroughAttnlib(RingCache):
@@ -252,23 +297,23 @@ class RingThroughAttnlib(RingCache):
 
 
 class RingThroughKeptCache(RingCache):  # the ring's rule from the caches' private base, called unbound
-    def step(self, q, k, v, position):
+    def step(self, q, k, v, start):
         from types import SimpleNamespace
 
         from attnlib.cache.windowed import _KeptCache
-        _KeptCache.still_held(SimpleNamespace(capacity=self.window), torch.tensor([position]), position + 1)
-        return super().step(q, k, v, position)
+        _KeptCache.still_held(SimpleNamespace(capacity=self.window), torch.tensor([start]), start + 1)
+        return super().step(q, k, v, start)
 
 
 class RingScalesInPlace(RingCache):
-    def step(self, q, k, v, position):
-        q.mul_(1 / math.sqrt(q.shape[-1]))  # the caller's query, scaled where it lies
-        return super().step(q * math.sqrt(q.shape[-1]), k, v, position)
+    def step(self, q, k, v, start):
+        q.mul_(1 / math.sqrt(q.shape[-1]))  # the caller's queries, scaled where they lie
+        return super().step(q * math.sqrt(q.shape[-1]), k, v, start)
 
 
 class RingFlat(RingCache):
-    def step(self, q, k, v, position):
-        return super().step(q, k, v, position)[:, :, 0]  # (B, h, head_dim): the T axis dropped
+    def step(self, q, k, v, start):
+        return super().step(q, k, v, start)[:, :, 0]  # (B, h, head_dim): the T axis dropped
 
 
 ANSWERS = {
@@ -339,12 +384,15 @@ ANSWERS = {
         ],
     ),
     "17.6": Answers(
-        correct=[RingCache, RingCacheSDPA],
+        correct=[RingCache, RingCacheTokenByToken],
         wrong=[
-            (RingZerosSeen, "mask the empty slots"),
-            (RingAttendFirst, "write its key and value into the ring first"),
-            (RingRolled, "must be written to slot"),
+            (RingWritesFirst, "writing the chunk into the ring before attending overwrote keys"),
+            (RingInOrder, "the ring wraps"),
+            (RingLongChunkMisplaced, "of a chunk longer than the window only its last"),
+            (RingOneTokenOnly, "an answer for T = 1 is not enough"),
             (RingKeepsEverything, "a ring keeps only the last window positions"),
+            (RingZerosSeen, "mask the empty slots"),
+            (RingNotCausal, "sees the chunk's later keys"),
             (RingUnscaled, "scale the scores by 1/sqrt(head_dim)"),
             (RingThroughAttnlib, "write the ring buffer yourself"),
             (RingThroughKeptCache, "attnlib.cache.windowed._KeptCache"),
@@ -357,18 +405,24 @@ ANSWERS = {
 
 
 def test_the_solutions_equal_outside_references():
-    """17.5's answer = transformers' dynamic frequencies; 17.6's ring = attention over RingLayerCache's keys."""
+    """17.5's answer = transformers' dynamic frequencies; 17.6's rings (both ways) = banded SDPA over the whole text."""
     g = torch.Generator().manual_seed(0)
     for T, L, f in ((20, 32, 1.0), (96, 24, 2.0), (41, 10, 4.0)):
         q, k = torch.randn(2, 16, generator=g, dtype=torch.float64), torch.randn(2, T, 16, generator=g,
                                                                                  dtype=torch.float64)
         theirs = dynamic_by_transformers(q, k, 10000.0, f, L)  # transformers' frequencies are float32
         torch.testing.assert_close(dynamic_scores(q, k, 10000.0, f, L), theirs, rtol=1e-5, atol=1e-5)
-    window, T = 3, 10
-    q, k, v = (torch.randn(1, 2, T, 4, generator=g) for _ in range(3))
-    ours, ring = RingCache(window, 1, 2, 4), RingLayerCache(T, window)
-    for p in range(T):
-        keys, values = ring.update(k[:, :, p : p + 1], v[:, :, p : p + 1])  # the last window positions, in order
-        expected = F.scaled_dot_product_attention(q[:, :, p : p + 1], keys, values)
-        torch.testing.assert_close(ours.step(q[:, :, p : p + 1], k[:, :, p : p + 1], v[:, :, p : p + 1], p),
-                                   expected)
+    for window, sizes in ((3, [1, 2, 4, 1, 7, 3]), (4, [9, 1, 4, 6])):  # chunks: shorter, equal, longer, wrapping
+        T = sum(sizes)
+        q, k, v = (torch.randn(1, 2, T, 4, generator=g) for _ in range(3))
+        i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+        band = (j <= i) & (i - j < window)  # sliding-window attention over the whole text, no cache
+        whole = F.scaled_dot_product_attention(q, k, v, attn_mask=band)
+        for ours in (RingCache(window, 1, 2, 4), RingCacheTokenByToken(window, 1, 2, 4)):
+            start = 0
+            for n in sizes:
+                chunk = (t[:, :, start : start + n] for t in (q, k, v))
+                torch.testing.assert_close(ours.step(*chunk, start), whole[:, :, start : start + n])
+                start += n
+            last = torch.arange(T - window, T)  # the ring ends with the last window positions, slots p % window
+            torch.testing.assert_close(ours.k[:, :, last % window], k[:, :, last])

@@ -14,7 +14,8 @@
 * 17.5 ``check_dynamic_scores``: ``dynamic_scores(q, k, base, factor, original_length)``, the scores of the
   newest query as an uncached pass with dynamic NTK computes them (every key rotated with the base of
   the current length), checked against a float64 reference of transformers' rule.
-* 17.6 ``check_ring_cache``: a ring-buffer KV cache for a sliding window, written by hand
+* 17.6 ``check_ring_cache``: chunked prefill through a ring-buffer KV cache for a sliding window
+  (``step`` takes T >= 1 new tokens; beyond Exercise 08.1's one-token ring), written by hand
   (:mod:`._ch17_ring`).
 
 Every learner call goes through :func:`~attnlib.book.exercises._run.run`; besides fixed edge cases, the
