@@ -63,3 +63,18 @@ def test_check_functions_print_one_verdict_line(capsys):
 def test_unknown_exercise_id():
     with pytest.raises(KeyError, match="no exercise '99.1'"):
         grade("99.1", stub)
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "solutions").glob("*_solutions.ipynb")),
+                         ids=lambda p: p.name[:2])
+def test_every_solution_is_stored_correct(path):
+    """The stored outputs of a solutions notebook grade every exercise of its chapter correct, and nothing else."""
+    import json
+    import re
+
+    text = "".join("".join(o.get("text", "")) for c in json.loads(path.read_text(encoding="utf-8"))["cells"]
+                   if c["cell_type"] == "code" for o in c.get("outputs", []))
+    verdicts = re.findall(r"Exercise (\d\d\.\d+): ([a-z ]+)", text)
+    chapter = path.name[:2]
+    assert {i for i, status in verdicts if status == "correct"} == {i for i in EXERCISES if i.startswith(chapter)}
+    assert all(status == "correct" for _, status in verdicts), verdicts

@@ -68,8 +68,8 @@ def tampered() -> list[str]:
         if owner is None:
             continue
         now = vars(owner).get(name)
-        if now is value and _fingerprint(now) is code:
-            continue
+        if (now is value or type(now) is types.MethodType and now == value) and _fingerprint(now) is code:
+            continue  # the same function (a bound method is made anew: ipykernel re-binds builtins.input)
         if _torch_wrapper_of(now, value):  # torch wraps some of its functions when torch._dynamo loads
             _snapshot_of_guarded[(owner_name, name)] = (now, _fingerprint(now))
             continue
@@ -81,7 +81,7 @@ def _torch_wrapper_of(now: Any, value: Any) -> bool:
     """Whether ``now`` is torch's own wrapper (code in torch's package) around ``value``."""
     code = _fingerprint(now)
     return (code is not None and code.co_filename.startswith(_TORCH_DIR)
-            and inspect.unwrap(getattr(now, "__func__", now)) is getattr(value, "__func__", value))
+            and inspect.unwrap(getattr(now, "__func__", now)) is inspect.unwrap(getattr(value, "__func__", value)))
 
 
 def record() -> None:
@@ -137,7 +137,7 @@ def frozen() -> Any:
 
     def changed(_saved=saved, _vars=vars, _isinstance=isinstance, _setattr=setattr, _delattr=delattr,
                 _module=types.ModuleType, _list=list, _builtins=shadowing, _getattr=getattr,
-                _str=str) -> list[str]:
+                _str=str, _torchs=_torch_wrapper_of) -> list[str]:
         found = []
         for owner, names, codes, is_class, label in _saved:
             now = _vars(owner)
@@ -151,6 +151,8 @@ def frozen() -> Any:
                     found.append(f"{label}.{key}")
                     _delattr(owner, key)
                 elif value is not names[key] and not _isinstance(names[key], _module):
+                    if _torchs(value, names[key]):
+                        continue  # torch._dynamo wrapping torch.manual_seed as it loads: torch's own doing
                     found.append(f"{label}.{key}")
                     _setattr(owner, key, names[key])
             for key, code in codes.items():
