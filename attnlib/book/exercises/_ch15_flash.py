@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from attnlib.attention.flash import FlashAttentionFunction, _backward, flash_attention
 from attnlib.attention.mods import alibi_slopes
+from attnlib.book.exercises._autograd import AUTOGRAD
 from attnlib.book.exercises._core import (
     NotSolved,
     Wrong,
@@ -33,8 +34,7 @@ from attnlib.book.exercises._core import (
 from attnlib.book.exercises._run import Refuse, run
 
 _BY_HAND = Refuse("write the gradients from the formulas, not with autograd or a library backward",
-                  torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward, torch.func.vjp,
-                  torch.func.grad, _backward, FlashAttentionFunction, flash_attention,
+                  *AUTOGRAD, _backward, FlashAttentionFunction, flash_attention,
                   F.scaled_dot_product_attention, aten="scaled_dot_product")
 
 

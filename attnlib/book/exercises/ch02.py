@@ -19,9 +19,9 @@ import torch
 import torch.autograd.functional
 import torch.func
 from torch import nn
-from torch.autograd.graph import saved_tensors_hooks
 
 from attnlib.attention import SelfAttentionV2
+from attnlib.book.exercises._autograd import AUTOGRAD, GraphWatch
 from attnlib.book.exercises._core import (
     case_rng,
     exercise,
@@ -39,30 +39,7 @@ __all__ = ["check_query_gradient", "check_fuse_qkv", "check_score_variance"]
 # --------------------------------------------------------------------------- 02.1
 
 _BY_HAND = Refuse(
-    "compute the gradient by hand, without autograd",
-    torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward, torch.autograd.functional.vjp,
-    torch.autograd.functional.jacobian, torch.autograd.functional.hessian, torch.func.grad, torch.func.vjp,
-    torch.func.jacrev, torch.func.jacfwd, torch.func.grad_and_value,
-)
-
-
-class _GraphWatch:
-    """Notes whether the answer recorded an autograd graph (a tensor saved for a backward pass)."""
-
-    def __init__(self) -> None:
-        self.recorded = False
-        self._hooks = saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.recorded = True
-        return tensor
-
-    def __enter__(self) -> _GraphWatch:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
+    "compute the gradient by hand, without autograd", *AUTOGRAD)
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +100,7 @@ def check_query_gradient(fn) -> None:
         g = torch.randn(*lead, T_q, head_dim_v, generator=rng)
         what = (f"query_gradient(q, k, v, g) for q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                 f"g {tuple(g.shape)}")
-        watch = _GraphWatch()
+        watch = GraphWatch()
         grad = run(fn, q, k, v, g, what=what, refuse=_BY_HAND, inside=(watch,))
         expect(not watch.recorded,
                f"{what}: compute the gradient by hand, without autograd: your code recorded an autograd graph "

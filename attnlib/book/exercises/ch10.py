@@ -22,8 +22,8 @@ import torch.autograd.forward_ad
 import torch.autograd.functional
 import torch.func
 import torch.nn.functional as F
-from torch.autograd.graph import saved_tensors_hooks
 
+from attnlib.book.exercises._autograd import AUTOGRAD, GraphWatch
 from attnlib.book.exercises._ch10_doors import RefuseOps
 from attnlib.book.exercises._core import case_rng, exercise, expect, expect_close, expect_tensor, randint
 from attnlib.book.exercises._run import Refuse, run
@@ -147,30 +147,8 @@ def check_smoothed_loss(answer) -> None:
 #: "by hand": autograd (reverse and forward mode) and every written-out backward of a norm are refused
 _BY_HAND = Refuse(
     "work out LayerNorm's backward by hand, without autograd or a library's backward",
-    torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward, torch.autograd.functional.vjp,
-    torch.autograd.functional.jvp, torch.autograd.functional.jacobian, torch.func.grad, torch.func.vjp,
-    torch.func.jvp, torch.func.jacrev, torch.func.jacfwd, torch.func.grad_and_value, torch.func.linearize,
-    torch.autograd.forward_ad.make_dual, torch.autograd.graph.disable_saved_tensors_hooks, _RMSNormFunction,
+    *AUTOGRAD, _RMSNormFunction,
     aten=("layer_norm_backward", "rms_norm_backward"))
-
-
-class _GraphWatch:
-    """Notes whether the answer recorded an autograd graph (a tensor saved for a backward pass)."""
-
-    def __init__(self) -> None:
-        self.recorded = False
-        self._hooks = saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.recorded = True
-        return tensor
-
-    def __enter__(self) -> _GraphWatch:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
 
 
 def _ln(x: torch.Tensor, w: torch.Tensor, eps: float, unbiased: bool = False, eps_outside: bool = False):
@@ -232,7 +210,7 @@ def check_layernorm_backward(answer) -> None:
         w = torch.empty(d).uniform_(0.5, 2.0, generator=rng) * torch.randn(d, generator=rng).sign()
         dy = torch.randn(*lead, d, generator=rng)
         what = f"layernorm_backward(x {tuple(x.shape)}, weight ({d},), dy {tuple(dy.shape)}, eps={eps:g})"
-        watch, ops = _GraphWatch(), RefuseOps(_BY_HAND.why, "layer_norm_backward", "rms_norm_backward")
+        watch, ops = GraphWatch(), RefuseOps(_BY_HAND.why, "layer_norm_backward", "rms_norm_backward")
         out = run(answer, x, w, dy, eps, what=what, refuse=_BY_HAND, inside=(watch, ops))
         ops.verdict()
         expect(not watch.recorded, f"{what}: {_BY_HAND.why}: your code recorded an autograd graph "
