@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch._dynamo  # noqa: F401  (its import wraps torch.manual_seed: before the checks' snapshot)
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-import torch._dynamo  # noqa: F401  (its import wraps torch.manual_seed: before the checks' snapshot)
 from torch import nn
 
 import attnlib

@@ -16,7 +16,6 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch._dynamo  # noqa: F401 - imported here: its import replaces torch.manual_seed, not the answer's doing
 import torch._ops
 
 from attnlib.book.exercises._core import Wrong

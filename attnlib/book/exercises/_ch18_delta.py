@@ -11,10 +11,7 @@ Qwen3-Next references are refused; an answer that updates the state token by tok
 """
 from __future__ import annotations
 
-# torch._dynamo: entering a TorchDispatchMode imports it, and it rewraps torch.manual_seed; imported
-# here, before run() takes its snapshot of torch's functions, so that is not blamed on the answer
 import torch
-import torch._dynamo  # noqa: F401
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch._dynamo  # noqa: F401  (see below)
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
@@ -122,8 +121,6 @@ _RESHAPES = {"view", "reshape", "transpose", "permute", "split", "chunk", "unfla
              "swapdims", "view_as", "reshape_as", "tensor_split", "unsafe_split", "flatten", "as_strided"}
 
 
-# A torch function mode nested in run()'s own imports torch._dynamo on its first use, which replaces
-# torch.manual_seed; imported here, before the checks' snapshot, that is not taken for the learner's doing.
 class _EinsumOnly(TorchFunctionMode):
     """Counts ``torch.einsum`` calls and refuses a reshape of the activations (a 3-D tensor ``(B, T, *)``)."""
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch._dynamo  # noqa: F401  (a torch mode nested in run()'s imports it on first use, patching torch)
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -13,7 +13,6 @@ from :func:`case_rng`.
 from __future__ import annotations
 
 import torch
-import torch._dynamo  # noqa: F401  (its import wraps torch.manual_seed: before the checks' snapshot)
 import torch.nn.functional as F
 
 from attnlib.attention import attention

@@ -26,9 +26,7 @@ import math
 import tracemalloc
 
 import torch
-import torch._dynamo  # noqa: F401  (imported now: its first import rewraps torch.manual_seed, which run() would
 
-#                      take for an answer that replaced it; the checks' first dispatch and flex_attention import it)
 from attnlib.attention.masks import causal_mask, mask_from_mod
 from attnlib.book.exercises._ch15_stream import (
     _MATERIALIZED_HINT,

@@ -14,7 +14,6 @@ Every learner call goes through :func:`~attnlib.book.exercises._run.run`; the ra
 from __future__ import annotations
 
 import torch
-import torch._dynamo  # noqa: F401  (imported by the reference's model build; it replaces torch.manual_seed)
 from torch import nn
 
 from attnlib.book.exercises._ch16_count import COUNT_MISTAKES

@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch._dynamo  # noqa: F401  (imported by the references' layers; it replaces torch.manual_seed)
 
 from attnlib.attention import MultiHeadAttention
 from attnlib.book.exercises._ch17_dynamic import dynamic_scores
