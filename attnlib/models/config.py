@@ -11,30 +11,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from attnlib._checks import divisible, finite_number, positive_int, probability
-from attnlib.attention.registry import ATTENTION_FUNCTIONS
-from attnlib.positional.rotary import RotaryEmbedding
+from attnlib._checks import divisible
+from attnlib.models.config_checks import (
+    ATTENTION_VARIANTS,
+    FEEDFORWARD_KINDS,
+    LAYER_TYPES,
+    LINEAR_LAYERS,
+    NORM_PLACEMENTS,
+    NORMS,
+    POSITIONS,
+    check_combinations,
+    check_fields,
+)
 
-__all__ = ["ATTENTION_VARIANTS", "FEEDFORWARD_KINDS", "LAYER_TYPES", "LINEAR_LAYERS", "NORMS", "POSITIONS",
+__all__ = ["ATTENTION_VARIANTS", "FEEDFORWARD_KINDS", "LAYER_TYPES", "LINEAR_LAYERS", "NORMS", "NORM_PLACEMENTS", "POSITIONS",
            "DecoderConfig", "GPTConfig"]
 
-#: The attention of a decoder's softmax layers (chapter 13): MHA, GQA and MQA are one layer with
-#: ``n_kv_heads`` = ``n_heads``, given, 1; talking heads (chapter 05); latent attention (chapter 07).
-ATTENTION_VARIANTS = ("mha", "talking_heads", "mqa", "gqa", "mla")
-#: ``layer_types`` entries: transformers' strings. Full causal attention; a sliding window
-#: (``sliding_window``); attention within chunks (``attention_chunk_size``, Llama 4); a linear layer
-#: (``linear_layer``: gated DeltaNet, as Qwen3-Next's ``"linear_attention"``, or linear attention).
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
-#: How positions enter: learned table (GPT-2), RoPE, ALiBi, none (NoPE). Chapters 10, 16, 17.
-POSITIONS = ("learned", "rope", "alibi", "nope")
-NORMS = ("layernorm", "rmsnorm")
-#: ``"pre"``: ``x + f(norm(x))``; ``"sandwich"``: ``x + norm(f(norm(x)))`` (Gemma 2 and 3).
-NORM_PLACEMENTS = ("pre", "sandwich")
-FEEDFORWARD_KINDS = ("gelu", "swiglu", "geglu")
-LINEAR_LAYERS = ("gated_deltanet", "linear")
 #: The fields resolved when not given, each to the value in use (see the module docstring).
 DERIVED = ("n_kv_heads", "head_dim", "kv_latent_dim", "layer_types", "d_ff", "attention_bias", "mlp_bias", "attn_fn")
 
@@ -130,12 +124,12 @@ class DecoderConfig:
             given[name] = value is not None and not (name in (self._derived or {}) and value == derived_before)
             if not given[name]:
                 object.__setattr__(self, name, None)
-        self._check_fields()
+        check_fields(self)
         derived = {name: self._derive(name) for name in DERIVED if not given[name]}
         for name, value in derived.items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_derived", derived)
-        self._check_combinations()
+        check_combinations(self)
 
     # ---------------------------------------------------------------- resolution
 
@@ -156,88 +150,6 @@ class DecoderConfig:
         if name in ("attention_bias", "mlp_bias"):
             return self.bias
         return "eager" if self.score_mods() else "sdpa"  # attn_fn
-
-    def _check_fields(self) -> None:
-        for name in ("vocab_size", "block_size", "n_layers", "n_heads", "d_model"):
-            positive_int(name, getattr(self, name))
-        for name in ("n_kv_heads", "head_dim", "kv_latent_dim", "sliding_window", "attention_chunk_size", "d_ff"):
-            if getattr(self, name) is not None:
-                positive_int(name, getattr(self, name))
-        choices = {"attention": ATTENTION_VARIANTS, "linear_layer": LINEAR_LAYERS, "position": POSITIONS,
-                   "norm": NORMS, "norm_placement": NORM_PLACEMENTS, "feedforward": FEEDFORWARD_KINDS,
-                   "gelu_approximate": ("none", "tanh")}
-        for name, options in choices.items():
-            if not isinstance(getattr(self, name), str) or getattr(self, name) not in options:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {options}")
-        for name in ("qk_norm", "bias", "attention_bias", "mlp_bias", "tie_embeddings"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}")
-        probability("dropout", self.dropout)
-        if finite_number("norm_eps", self.norm_eps) <= 0:
-            raise ValueError(f"norm_eps={self.norm_eps!r} must be > 0 (it keeps the norm's division away from 0)")
-        for name in ("rope_base", "rope_local_base"):
-            if getattr(self, name) is not None:
-                finite_number(name, getattr(self, name), above=1)
-        if self.attn_softcap is not None and finite_number("attn_softcap", self.attn_softcap) <= 0:
-            raise ValueError(f"attn_softcap must be a finite number > 0, got {self.attn_softcap!r}")
-        if self.layer_types is not None:
-            if isinstance(self.layer_types, str) or not hasattr(self.layer_types, "__iter__"):
-                raise TypeError(f"layer_types must be a list of {LAYER_TYPES}, one per layer; got {self.layer_types!r}")
-            object.__setattr__(self, "layer_types", tuple(self.layer_types))
-            bad = [t for t in self.layer_types if t not in LAYER_TYPES]
-            if bad or len(self.layer_types) != self.n_layers:
-                raise ValueError(f"layer_types must give one of {LAYER_TYPES} for each of the n_layers={self.n_layers} "
-                                 f"layers; got {list(self.layer_types)}")
-        if isinstance(self.nope_layers, (str, bytes)) or not hasattr(self.nope_layers, "__iter__"):
-            raise TypeError(f"nope_layers must be a list of layer indices; got {self.nope_layers!r}")
-        object.__setattr__(self, "nope_layers", tuple(self.nope_layers))
-        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers for i in self.nope_layers) \
-                or len(set(self.nope_layers)) != len(self.nope_layers):
-            raise ValueError(f"nope_layers must be distinct layer indices in [0, {self.n_layers}); got {list(self.nope_layers)}")
-        if isinstance(self.rope_scaling, Mapping):  # a copy: later edits of the caller's dict cannot reach it
-            object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
-
-    def _check_combinations(self) -> None:
-        expected = {"mha": self.n_heads, "mqa": 1}.get(self.attention)
-        if "n_kv_heads" not in self._derived:
-            if self.attention in ("talking_heads", "mla"):
-                raise ValueError(f"n_kv_heads={self.n_kv_heads} does not apply to attention={self.attention!r}; leave it None")
-            if expected is not None and self.n_kv_heads != expected:
-                raise ValueError(f"n_kv_heads={self.n_kv_heads} contradicts attention={self.attention!r}, which has "
-                                 f"{expected} key/value head(s); use attention='gqa' for another number")
-        divisible("n_heads", self.n_heads, "n_kv_heads", self.n_kv_heads)
-        if self.kv_latent_dim is not None and self.attention != "mla":
-            raise ValueError(f"kv_latent_dim={self.kv_latent_dim} applies to attention='mla' only; got {self.attention!r}")
-        for kind, size, name in (("sliding_attention", self.sliding_window, "sliding_window"),
-                                 ("chunked_attention", self.attention_chunk_size, "attention_chunk_size")):
-            used = kind in self.layer_types
-            if used != (size is not None):
-                raise ValueError(f"{name}={size!r} but layer_types has {'a' if used else 'no'} {kind!r} layer; "
-                                 f"give both or neither")
-        rope_only = {"rope_scaling": self.rope_scaling, "rope_local_base": self.rope_local_base,
-                     "nope_layers": self.nope_layers or None}
-        for name, value in rope_only.items():
-            if value is not None and self.position != "rope":
-                raise ValueError(f"{name}={value!r} is given but position={self.position!r} does not use RoPE")
-        if self.rope_local_base is not None and "sliding_attention" not in self.layer_types:
-            raise ValueError(f"rope_local_base={self.rope_local_base} is for sliding layers; layer_types has none")
-        if self.attention == "mla" and (self.position == "rope" or self.qk_norm):
-            raise ValueError("attention='mla' takes neither RoPE (DeepSeek-V2's decoupled RoPE key is not built "
-                             "here) nor qk_norm; use position='learned', 'alibi' or 'nope'")
-        if self.attention in ("talking_heads", "mla") and self.head_dim * self.n_heads != self.d_model:
-            raise ValueError(f"head_dim={self.head_dim} with n_heads={self.n_heads} must make d_model={self.d_model} "
-                             f"for attention={self.attention!r}")
-        if self.attention == "talking_heads" and self.score_mods():
-            raise ValueError("attention='talking_heads' mixes raw scores itself: it takes no ALiBi or attn_softcap")
-        if self.attn_fn not in ATTENTION_FUNCTIONS:
-            raise ValueError(f"attn_fn={self.attn_fn!r} is not one of {sorted(ATTENTION_FUNCTIONS)}")
-        if self.dropout and self.attn_fn in ("tiled", "flash"):
-            raise ValueError(f"dropout={self.dropout} needs attn_fn='eager' or 'sdpa' ({self.attn_fn!r} has no dropout)")
-        if self.score_mods() and self.attn_fn in ("sdpa", "flash"):
-            raise ValueError(f"attn_fn={self.attn_fn!r} cannot modify scores (ALiBi / attn_softcap): use 'eager' or 'tiled'")
-        if self.position == "rope":
-            for base in {self.rope_base, self.rope_local_base or self.rope_base}:
-                RotaryEmbedding(self.head_dim, base, self.rope_scaling, self.block_size)  # checks RoPE's settings
 
     # ---------------------------------------------------------------- use
 

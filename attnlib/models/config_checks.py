@@ -1,0 +1,114 @@
+"""The checks of :class:`~attnlib.models.config.DecoderConfig`, field by field and in combination.
+
+Called once by ``DecoderConfig.__post_init__``: :func:`check_fields` before derived fields are
+resolved, :func:`check_combinations` after. Every message names the field and its value.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from attnlib._checks import divisible, finite_number, positive_int, probability
+from attnlib.attention.registry import ATTENTION_FUNCTIONS
+from attnlib.positional.rotary import RotaryEmbedding
+
+__all__ = ["ATTENTION_VARIANTS", "FEEDFORWARD_KINDS", "LAYER_TYPES", "LINEAR_LAYERS", "NORMS", "NORM_PLACEMENTS",
+           "POSITIONS", "check_combinations", "check_fields"]
+
+#: The attention of a decoder's softmax layers (chapter 13): MHA, GQA and MQA are one layer with
+#: ``n_kv_heads`` = ``n_heads``, given, 1; talking heads (chapter 05); latent attention (chapter 07).
+ATTENTION_VARIANTS = ("mha", "talking_heads", "mqa", "gqa", "mla")
+#: ``layer_types`` entries: transformers' strings. Full causal attention; a sliding window
+#: (``sliding_window``); attention within chunks (``attention_chunk_size``, Llama 4); a linear layer
+#: (``linear_layer``: gated DeltaNet, as Qwen3-Next's ``"linear_attention"``, or linear attention).
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
+#: How positions enter: learned table (GPT-2), RoPE, ALiBi, none (NoPE). Chapters 10, 16, 17.
+POSITIONS = ("learned", "rope", "alibi", "nope")
+NORMS = ("layernorm", "rmsnorm")
+#: ``"pre"``: ``x + f(norm(x))``; ``"sandwich"``: ``x + norm(f(norm(x)))`` (Gemma 2 and 3).
+NORM_PLACEMENTS = ("pre", "sandwich")
+FEEDFORWARD_KINDS = ("gelu", "swiglu", "geglu")
+LINEAR_LAYERS = ("gated_deltanet", "linear")
+
+def check_fields(config) -> None:
+    """Each field alone: types, ranges, choices (lists made tuples). Raises TypeError / ValueError naming it."""
+    for name in ("vocab_size", "block_size", "n_layers", "n_heads", "d_model"):
+        positive_int(name, getattr(config, name))
+    for name in ("n_kv_heads", "head_dim", "kv_latent_dim", "sliding_window", "attention_chunk_size", "d_ff"):
+        if getattr(config, name) is not None:
+            positive_int(name, getattr(config, name))
+    choices = {"attention": ATTENTION_VARIANTS, "linear_layer": LINEAR_LAYERS, "position": POSITIONS,
+               "norm": NORMS, "norm_placement": NORM_PLACEMENTS, "feedforward": FEEDFORWARD_KINDS,
+               "gelu_approximate": ("none", "tanh")}
+    for name, options in choices.items():
+        if not isinstance(getattr(config, name), str) or getattr(config, name) not in options:
+            raise ValueError(f"{name}={getattr(config, name)!r} is not one of {options}")
+    for name in ("qk_norm", "bias", "attention_bias", "mlp_bias", "tie_embeddings"):
+        if getattr(config, name) is not None and not isinstance(getattr(config, name), bool):
+            raise TypeError(f"{name} must be a bool; got {getattr(config, name)!r}")
+    probability("dropout", config.dropout)
+    if finite_number("norm_eps", config.norm_eps) <= 0:
+        raise ValueError(f"norm_eps={config.norm_eps!r} must be > 0 (it keeps the norm's division away from 0)")
+    for name in ("rope_base", "rope_local_base"):
+        if getattr(config, name) is not None:
+            finite_number(name, getattr(config, name), above=1)
+    if config.attn_softcap is not None and finite_number("attn_softcap", config.attn_softcap) <= 0:
+        raise ValueError(f"attn_softcap must be a finite number > 0, got {config.attn_softcap!r}")
+    if config.layer_types is not None:
+        if isinstance(config.layer_types, str) or not hasattr(config.layer_types, "__iter__"):
+            raise TypeError(f"layer_types must be a list of {LAYER_TYPES}, one per layer; got {config.layer_types!r}")
+        object.__setattr__(config, "layer_types", tuple(config.layer_types))
+        bad = [t for t in config.layer_types if t not in LAYER_TYPES]
+        if bad or len(config.layer_types) != config.n_layers:
+            raise ValueError(f"layer_types must give one of {LAYER_TYPES} for each of the n_layers={config.n_layers} "
+                             f"layers; got {list(config.layer_types)}")
+    if isinstance(config.nope_layers, (str, bytes)) or not hasattr(config.nope_layers, "__iter__"):
+        raise TypeError(f"nope_layers must be a list of layer indices; got {config.nope_layers!r}")
+    object.__setattr__(config, "nope_layers", tuple(config.nope_layers))
+    if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < config.n_layers for i in config.nope_layers) \
+            or len(set(config.nope_layers)) != len(config.nope_layers):
+        raise ValueError(f"nope_layers must be distinct layer indices in [0, {config.n_layers}); got {list(config.nope_layers)}")
+    if isinstance(config.rope_scaling, Mapping):  # a copy: later edits of the caller's dict cannot reach it
+        object.__setattr__(config, "rope_scaling", dict(config.rope_scaling))
+
+def check_combinations(config) -> None:
+    """The fields together, after derivation: settings that contradict or do not apply. Raises ValueError."""
+    expected = {"mha": config.n_heads, "mqa": 1}.get(config.attention)
+    if "n_kv_heads" not in config._derived:
+        if config.attention in ("talking_heads", "mla"):
+            raise ValueError(f"n_kv_heads={config.n_kv_heads} does not apply to attention={config.attention!r}; leave it None")
+        if expected is not None and config.n_kv_heads != expected:
+            raise ValueError(f"n_kv_heads={config.n_kv_heads} contradicts attention={config.attention!r}, which has "
+                             f"{expected} key/value head(s); use attention='gqa' for another number")
+    divisible("n_heads", config.n_heads, "n_kv_heads", config.n_kv_heads)
+    if config.kv_latent_dim is not None and config.attention != "mla":
+        raise ValueError(f"kv_latent_dim={config.kv_latent_dim} applies to attention='mla' only; got {config.attention!r}")
+    for kind, size, name in (("sliding_attention", config.sliding_window, "sliding_window"),
+                             ("chunked_attention", config.attention_chunk_size, "attention_chunk_size")):
+        used = kind in config.layer_types
+        if used != (size is not None):
+            raise ValueError(f"{name}={size!r} but layer_types has {'a' if used else 'no'} {kind!r} layer; "
+                             f"give both or neither")
+    rope_only = {"rope_scaling": config.rope_scaling, "rope_local_base": config.rope_local_base,
+                 "nope_layers": config.nope_layers or None}
+    for name, value in rope_only.items():
+        if value is not None and config.position != "rope":
+            raise ValueError(f"{name}={value!r} is given but position={config.position!r} does not use RoPE")
+    if config.rope_local_base is not None and "sliding_attention" not in config.layer_types:
+        raise ValueError(f"rope_local_base={config.rope_local_base} is for sliding layers; layer_types has none")
+    if config.attention == "mla" and (config.position == "rope" or config.qk_norm):
+        raise ValueError("attention='mla' takes neither RoPE (DeepSeek-V2's decoupled RoPE key is not built "
+                         "here) nor qk_norm; use position='learned', 'alibi' or 'nope'")
+    if config.attention in ("talking_heads", "mla") and config.head_dim * config.n_heads != config.d_model:
+        raise ValueError(f"head_dim={config.head_dim} with n_heads={config.n_heads} must make d_model={config.d_model} "
+                         f"for attention={config.attention!r}")
+    if config.attention == "talking_heads" and config.score_mods():
+        raise ValueError("attention='talking_heads' mixes raw scores itself: it takes no ALiBi or attn_softcap")
+    if config.attn_fn not in ATTENTION_FUNCTIONS:
+        raise ValueError(f"attn_fn={config.attn_fn!r} is not one of {sorted(ATTENTION_FUNCTIONS)}")
+    if config.dropout and config.attn_fn in ("tiled", "flash"):
+        raise ValueError(f"dropout={config.dropout} needs attn_fn='eager' or 'sdpa' ({config.attn_fn!r} has no dropout)")
+    if config.score_mods() and config.attn_fn in ("sdpa", "flash"):
+        raise ValueError(f"attn_fn={config.attn_fn!r} cannot modify scores (ALiBi / attn_softcap): use 'eager' or 'tiled'")
+    if config.position == "rope":
+        for base in {config.rope_base, config.rope_local_base or config.rope_base}:
+            RotaryEmbedding(config.head_dim, base, config.rope_scaling, config.block_size)  # checks RoPE's settings
