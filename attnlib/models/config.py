@@ -75,6 +75,11 @@ class DecoderConfig:
         attn_fn: the attention function's name (*derived*: ``"sdpa"``, or ``"eager"`` when scores are
             modified by ALiBi or soft-capping, which SDPA cannot do).
         attn_softcap: None or Gemma 2's cap on attention scores, ``cap · tanh(s / cap)``.
+        attention_scale: the factor on ``q · k`` (None: ``1/√head_dim``; Gemma 3: ``query_pre_attn_scalar**-0.5``,
+            Gemma 4: 1, its queries and keys being RMS-normalised). Chapter 20.
+        scale_embeddings: multiply the token embeddings by ``√d_model`` (rounded to their dtype; Gemma).
+        logit_softcap: None or the cap on the output logits, ``cap · tanh(z / cap)`` (Gemma 2's
+            ``final_logit_softcapping``).
 
     Raises:
         TypeError / ValueError: a size that is not a positive int, a name that is not one of its choices,
@@ -114,6 +119,9 @@ class DecoderConfig:
     dropout: float = 0.0
     attn_fn: str | None = None
     attn_softcap: float | None = None
+    attention_scale: float | None = None
+    scale_embeddings: bool = False
+    logit_softcap: float | None = None
     _derived: dict | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
