@@ -223,6 +223,19 @@ class DecoderConfig:
         """A Mistral-style decoder: :meth:`llama` with a sliding window on every layer (chapter 17)."""
         return cls.llama(**{"sliding_window": sliding_window, **fields})
 
+    @classmethod
+    def gemma3(cls, sliding_window: int, **fields) -> DecoderConfig:
+        """A Gemma-3-style decoder (chapter 20): :meth:`llama` with five sliding-window layers to one global layer
+        (layers 6, 12, ... global), the sliding layers' RoPE base 10,000 and the global layers' 1,000,000, pre- and
+        post-norms around attention and feed-forward ("sandwich"), QK-norm, GeGLU, the embedding scaled by
+        √d_model, a tied output head, RMSNorm's eps 1e-6. ``fields`` set the sizes and replace any choice."""
+        n_layers = fields.get("n_layers", cls.n_layers)
+        types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n_layers))
+        gemma = dict(sliding_window=sliding_window, layer_types=types, rope_base=1_000_000.0, rope_local_base=10_000.0,
+                     norm_placement="sandwich", qk_norm=True, feedforward="geglu", scale_embeddings=True,
+                     tie_embeddings=True, norm_eps=1e-6)
+        return cls.llama(**{**gemma, **fields})
+
 
 #: Chapter 12's name for the configuration: a :class:`DecoderConfig` (whose defaults are the GPT's).
 GPTConfig = DecoderConfig
