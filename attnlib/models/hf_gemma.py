@@ -11,8 +11,8 @@ half-split, RMSNorm, no biases) with Gemma's changes, each a field of :class:`~a
   ``post_attn_norm`` (on the attention's output, before the residual sum), ``pre_feedforward_layernorm`` →
   ``ln_2``, ``post_feedforward_layernorm`` → ``post_mlp_norm``; QK-norm (``q_norm``, ``k_norm``);
 * GeGLU with GELU's tanh form (``gelu_pytorch_tanh``); the embedding scaled by √d_model; the factor
-  ``query_pre_attn_scalar ** -0.5`` on ``q · k`` (``attention_scale``); soft caps on the attention scores and
-  the logits when the config sets them; a tied output head.
+  ``query_pre_attn_scalar ** -0.5`` on ``q · k`` (``attention_scale``); the soft cap on the logits when the
+  config sets one (``final_logit_softcapping`` → ``logit_softcap``); a tied output head.
 
 Gemma's RMSNorm multiplies by ``1 + weight`` (its weights are stored centred on 0); attnlib's by ``weight``.
 The loader stores ``weight + 1``, computed in float32: in float32 this is the same number Gemma forms in its
@@ -125,7 +125,8 @@ def config_from_hf_gemma3(hf_config) -> DecoderConfig:
     Raises:
         TypeError: ``hf_config`` neither a mapping nor a config object.
         ValueError: another ``model_type`` (the multimodal ``"gemma3"`` config included: pass its ``text_config``),
-            a setting attnlib cannot reproduce (``use_bidirectional_attention``, a ``hidden_activation`` other than
+            a setting attnlib cannot reproduce (``use_bidirectional_attention``, ``attn_logit_softcapping`` (which
+            ``transformers``' Gemma 3 keeps but never applies), a ``hidden_activation`` other than
             ``gelu_pytorch_tanh``, a RoPE type it does not know or a scaled RoPE on the sliding layers, a layer
             type other than sliding or full), a size missing or not an int >= 1, a flag that is not a bool, a
             number that is not finite and > 0; each named.
@@ -145,6 +146,10 @@ def config_from_hf_gemma3(hf_config) -> DecoderConfig:
     if activation != "gelu_pytorch_tanh":
         raise ValueError(f"cannot reproduce hidden_activation={activation!r}: only 'gelu_pytorch_tanh' (GeGLU with "
                          "GELU's tanh form, nn.functional.gelu(approximate='tanh')) is reproduced")
+    if _number(get, "attn_logit_softcapping") is not None:  # Gemma3Attention keeps it but never passes it on
+        raise ValueError(f"cannot reproduce attn_logit_softcapping={get('attn_logit_softcapping')!r}: transformers' "
+                         "Gemma3ForCausalLM ignores it (no attention function of Gemma 3 receives it; Gemma 3's "
+                         "released configs set it to null), so there is no reference to be equal to")
     if _flag(get, "use_bidirectional_attention"):
         raise ValueError("cannot reproduce use_bidirectional_attention=True: attnlib's decoder is causal")
     types = _layer_types(get, sizes["num_hidden_layers"])
@@ -163,7 +168,7 @@ def config_from_hf_gemma3(hf_config) -> DecoderConfig:
         rope_local_base=float(rope["sliding_attention"]["rope_theta"]) if sliding else None,
         norm_eps=_number(get, "rms_norm_eps", 1e-6), tie_embeddings=tied,
         attention_bias=_flag(get, "attention_bias"), attention_scale=scalar ** -0.5,
-        attn_softcap=_number(get, "attn_logit_softcapping"), logit_softcap=_number(get, "final_logit_softcapping"),
+        logit_softcap=_number(get, "final_logit_softcapping"),
     )
 
 
