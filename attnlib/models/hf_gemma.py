@@ -154,7 +154,7 @@ def config_from_hf_gemma3(hf_config) -> DecoderConfig:
         raise ValueError("cannot reproduce use_bidirectional_attention=True: attnlib's decoder is causal")
     types = _layer_types(get, sizes["num_hidden_layers"])
     sliding = "sliding_attention" in types
-    window = _int_field(get, "sliding_window", optional=not sliding) if sliding else None
+    window = _int_field(get, "sliding_window") if sliding else None
     rope = _rope(get)
     full = dict(rope["full_attention"])
     theta, kind = float(full.pop("rope_theta")), full.get("rope_type", full.get("type", "default"))
