@@ -75,6 +75,8 @@ class DecoderConfig:
         attn_fn: the attention function's name (*derived*: ``"sdpa"``, or ``"eager"`` when scores are
             modified by ALiBi or soft-capping, which SDPA cannot do).
         attn_softcap: None or Gemma 2's cap on attention scores, ``cap · tanh(s / cap)``.
+        attention_sinks: a learned sink logit per head in every softmax layer's denominator (gpt-oss; chapter 20;
+            not StreamingLLM's sink tokens); the derived ``attn_fn`` is then ``"eager"`` (SDPA cannot add it).
 
     Raises:
         TypeError / ValueError: a size that is not a positive int, a name that is not one of its choices,
@@ -114,6 +116,7 @@ class DecoderConfig:
     dropout: float = 0.0
     attn_fn: str | None = None
     attn_softcap: float | None = None
+    attention_sinks: bool = False
     _derived: dict | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -149,7 +152,7 @@ class DecoderConfig:
             return 4 * self.d_model if self.feedforward == "gelu" else 8 * math.ceil(8 * self.d_model / 3 / 8)
         if name in ("attention_bias", "mlp_bias"):
             return self.bias
-        return "eager" if self.score_mods() else "sdpa"  # attn_fn
+        return "eager" if self.score_mods() or self.attention_sinks else "sdpa"  # attn_fn
 
     # ---------------------------------------------------------------- use
 
