@@ -203,8 +203,8 @@ def test_layer_functions_agree_and_cached_decode_equals_uncached(kw):
     eager = layer(rope=rope, **kw)
     assert tuple(eager.sinks.shape) == (4,) and "sinks" in dict(eager.named_parameters())
     full = eager(x)
-    for attn_fn in ("tiled", "flash"):
-        other = layer(attn_fn, rope=rope, **kw)
+    for attn_fn, sharing in (("tiled", "fold"), ("flash", "fold"), ("eager", "repeat_interleave")):
+        other = layer(attn_fn, rope=rope, kv_sharing=sharing, **kw)
         other.load_state_dict(eager.state_dict())
         assert (other(x) - full).abs().max() < TOL
     cache = eager.new_cache(16)
