@@ -6,6 +6,10 @@ import math
 
 import pytest
 import torch
+
+# chapter 16's parity checks (logits 1e-5 and loss; greedy tokens equal to transformers', cached = uncached),
+# collected here again on this module's DiffLlama `pair`
+from test_modern import test_greedy_generation_equal_with_and_without_cache, test_logits_equal  # noqa: F401
 from transformers import DiffLlamaConfig, DiffLlamaForCausalLM, LlamaConfig
 from transformers.models.diffllama import modeling_diffllama
 
@@ -20,8 +24,8 @@ SIZES = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 160, "num_hid
 CONFIGS = {
     "diffllama": DiffLlamaConfig(**SIZES),
     "gqa-8-heads": DiffLlamaConfig(**{**SIZES, "num_attention_heads": 8}),  # groups of 4 query heads, head_dim 8
-    "mha-tied-bias": DiffLlamaConfig(**{**SIZES, "num_key_value_heads": 4}, tie_word_embeddings=True, attention_bias=True),
-    "head_dim-apart": DiffLlamaConfig(**SIZES, head_dim=24),
+    "mha-tied-bias-head_dim": DiffLlamaConfig(**{**SIZES, "num_key_value_heads": 4}, tie_word_embeddings=True,
+                                              attention_bias=True, head_dim=24),  # head_dim apart from d_model / n_heads
 }
 
 
@@ -40,25 +44,6 @@ def hf_model(name: str, implementation: str = "eager") -> DiffLlamaForCausalLM:
 def pair(request):
     hf = hf_model(request.param)
     return hf, attnlib.from_hf_diffllama(hf).eval()
-
-
-def test_logits_equal(pair):
-    hf, ours = pair
-    idx = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = hf(idx).logits
-        logits, loss = ours(idx, idx)
-    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(expected.flatten(0, 1), idx.flatten()))
-
-
-def test_greedy_generation_equal_with_and_without_cache(pair):
-    hf, ours = pair
-    prompt = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(2))
-    cached = ours.generate(prompt, 16, temperature=0.0)
-    assert torch.equal(cached, ours.generate(prompt, 16, temperature=0.0, use_cache=False))
-    hf.generation_config.eos_token_id = None  # the config's default eos (2) would stop transformers early
-    assert torch.equal(cached, hf.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0))
 
 
 @pytest.mark.parametrize("attn_fn", ["eager", "sdpa"])
@@ -165,8 +150,8 @@ def test_decoder_with_mixed_layers_cached_equals_uncached():
     model = Decoder(config).eval()
     assert [b.attn.lambda_init for b in model.blocks] == [lambda_init_schedule(i) for i in range(3)]
     prompt = torch.randint(0, 31, (2, 4), generator=torch.Generator().manual_seed(8))
-    assert torch.equal(model.generate(prompt, 25, temperature=0.0),
-                       model.generate(prompt, 25, temperature=0.0, use_cache=False))
+    assert torch.equal(model.generate(prompt, 16, temperature=0.0),
+                       model.generate(prompt, 16, temperature=0.0, use_cache=False))
     # The projections and the cache are multi-head attention's; four λ vectors of head_dim per layer are added.
     gqa = Decoder(config.replace(attention="gqa"))
     assert model.num_parameters() == gqa.num_parameters() + 3 * 4 * config.head_dim

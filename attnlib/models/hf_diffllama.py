@@ -11,12 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch
-
-from attnlib._checks import weight_tensors
 from attnlib.models.config import DecoderConfig
 from attnlib.models.decoder import Decoder
-from attnlib.models.hf_llama import config_from_hf_decoder, from_hf_llama
+from attnlib.models.hf_llama import config_from_hf_decoder, from_hf_llama, hf_state_and_config
 
 __all__ = ["config_from_hf_diffllama", "from_hf_diffllama"]
 
@@ -73,23 +70,7 @@ def from_hf_diffllama(model_or_state_dict, config=None) -> Decoder:
         ValueError: a setting attnlib cannot reproduce (:func:`config_from_hf_diffllama`); missing or unexpected
             weights, ``λ`` vectors included (named); a shape mismatch; a ``config`` that contradicts the model's.
     """
-    if isinstance(model_or_state_dict, torch.nn.Module):
-        own = getattr(model_or_state_dict, "config", None)
-        if config is not None and own is not None:  # a second config must describe the same model
-            given, theirs = config_from_hf_diffllama(config).to_dict(), config_from_hf_diffllama(own).to_dict()
-            differ = {k: (v, theirs[k]) for k, v in given.items() if theirs[k] != v}
-            if differ:
-                raise ValueError(f"config contradicts the model's own config: {differ} (given, the model's); "
-                                 "leave config=None to use the model's")
-        config = own if config is None else config
-        state = model_or_state_dict.state_dict()
-    elif isinstance(model_or_state_dict, Mapping):
-        if config is None:
-            raise ValueError("a state dict needs its transformers config: from_hf_diffllama(state_dict, config=...)")
-        state = dict(model_or_state_dict)
-    else:
-        raise TypeError(f"expected a transformers model or a state dict; got {type(model_or_state_dict).__name__}")
-    weight_tensors(state)
+    state, config = hf_state_and_config(model_or_state_dict, config, config_from_hf_diffllama)
     ours = Decoder(config_from_hf_diffllama(config))
     c = ours.config
     lambdas = {f"blocks.{i}.attn.{name}": f"model.layers.{i}.self_attn.{name}" for i in range(c.n_layers) for name in LAMBDAS}
