@@ -40,7 +40,7 @@ def config_for(name, **sizes):
 
 
 def test_registry_has_every_variant():
-    assert set(ATTENTION_LAYERS) == {"mha", "talking_heads", "mqa", "gqa", "mla"}
+    assert set(ATTENTION_LAYERS) == {"mha", "talking_heads", "mqa", "gqa", "mla", "differential"}
     for name in ATTENTION_LAYERS:
         model = GPT(config_for(name))
         assert model(torch.randint(0, 11, (2, 8)))[0].shape == (2, 8, 11)

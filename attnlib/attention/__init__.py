@@ -8,9 +8,11 @@
 * layers: :class:`MultiHeadAttention` (MHA, GQA, MQA, cross-attention, RoPE, QK-norm, windows;
   chapters 04, 06, 09, 16, 17), :class:`TalkingHeadsAttention` (05), :class:`MultiHeadLatentAttention`
   (07), the single heads of chapters 02–04 (:mod:`~attnlib.attention.teaching`), and chapter 18's
-  :class:`LinearAttention`, :class:`GatedDeltaNet`, :class:`GatedAttention`, :class:`TopKAttention`.
+  :class:`LinearAttention`, :class:`GatedDeltaNet`, :class:`GatedAttention`, :class:`TopKAttention`; chapter 20's
+  :class:`DifferentialAttention`.
 """
 from attnlib.attention.deltanet import GatedDeltaNet, gated_delta_rule
+from attnlib.attention.differential import DifferentialAttention, lambda_init_schedule
 from attnlib.attention.flash import flash_attention
 from attnlib.attention.functions import attention, check_attention_inputs, sdpa_attention
 from attnlib.attention.latent import MultiHeadLatentAttention
@@ -37,6 +39,7 @@ __all__ = [
     "KV_SHARING",
     "BiasedTalkingHeadsAttention",
     "CausalAttention",
+    "DifferentialAttention",
     "GatedAttention",
     "GatedDeltaNet",
     "LightningIndexer",
@@ -56,6 +59,7 @@ __all__ = [
     "flash_attention",
     "gated_delta_rule",
     "get_attention_function",
+    "lambda_init_schedule",
     "linear_attention",
     "mask_from_mod",
     "mask_positions",

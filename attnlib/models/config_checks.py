@@ -12,11 +12,12 @@ from attnlib.attention.registry import ATTENTION_FUNCTIONS
 from attnlib.positional.rotary import RotaryEmbedding
 
 __all__ = ["ATTENTION_VARIANTS", "FEEDFORWARD_KINDS", "LAYER_TYPES", "LINEAR_LAYERS", "NORMS", "NORM_PLACEMENTS",
-           "POSITIONS", "check_combinations", "check_fields"]
+           "POSITIONS", "check_attention_sinks", "check_combinations", "check_differential", "check_fields"]
 
 #: The attention of a decoder's softmax layers (chapter 13): MHA, GQA and MQA are one layer with
-#: ``n_kv_heads`` = ``n_heads``, given, 1; talking heads (chapter 05); latent attention (chapter 07).
-ATTENTION_VARIANTS = ("mha", "talking_heads", "mqa", "gqa", "mla")
+#: ``n_kv_heads`` = ``n_heads``, given, 1; talking heads (chapter 05); latent attention (chapter 07);
+#: differential attention (DiffLlama, chapter 20).
+ATTENTION_VARIANTS = ("mha", "talking_heads", "mqa", "gqa", "mla", "differential")
 #: ``layer_types`` entries: transformers' strings. Full causal attention; a sliding window
 #: (``sliding_window``); attention within chunks (``attention_chunk_size``, Llama 4); a linear layer
 #: (``linear_layer``: gated DeltaNet, as Qwen3-Next's ``"linear_attention"``, or linear attention).
@@ -114,6 +115,7 @@ def check_combinations(config) -> None:
         raise ValueError(f"dropout={config.dropout} needs attn_fn='eager' or 'sdpa' ({config.attn_fn!r} has no dropout)")
     if config.score_mods() and config.attn_fn in ("sdpa", "flash"):
         raise ValueError(f"attn_fn={config.attn_fn!r} cannot modify scores (ALiBi / attn_softcap): use 'eager' or 'tiled'")
+    check_differential(config)
     if config.position == "rope":
         for base in {config.rope_base, config.rope_local_base or config.rope_base}:
             RotaryEmbedding(config.head_dim, base, config.rope_scaling, config.block_size)  # checks RoPE's settings
@@ -129,3 +131,17 @@ def check_attention_sinks(config) -> None:
     if config.attention_sinks and config.attn_fn == "sdpa":
         raise ValueError("attention_sinks=True cannot run with attn_fn='sdpa' (its softmax has no sink term): "
                          "use 'eager', 'tiled' or 'flash', or leave attn_fn None")
+
+
+def check_differential(config) -> None:
+    """``attention="differential"`` (chapter 20) pairs its heads, first half with second half: ``n_heads`` and
+    ``n_kv_heads`` even; no ALiBi (its slopes are per head, and a differential head is two maps). Raises ValueError."""
+    if config.attention != "differential":
+        return
+    for name in ("n_heads", "n_kv_heads"):
+        if getattr(config, name) % 2:
+            raise ValueError(f"{name}={getattr(config, name)} must be even for attention='differential' "
+                             "(its heads pair up: first half with second half)")
+    if config.position == "alibi":
+        raise ValueError("position='alibi' does not apply to attention='differential': ALiBi's slopes are per "
+                         "head, and a differential head subtracts two maps; use 'rope', 'learned' or 'nope'")

@@ -21,7 +21,7 @@ from attnlib.models.config import DecoderConfig
 from attnlib.models.decoder import Decoder
 from attnlib.positional.scaling import ROPE_TYPES
 
-__all__ = ["config_from_hf_decoder", "from_hf_llama", "from_hf_mistral", "from_hf_qwen3"]
+__all__ = ["config_from_hf_decoder", "from_hf_llama", "from_hf_mistral", "from_hf_qwen3", "hf_state_and_config"]
 
 _BLOCK_KEYS = {  # attnlib name -> transformers name (per layer); qkv is stacked from three
     "ln_1.weight": "input_layernorm.weight",
@@ -145,11 +145,14 @@ def config_from_hf_decoder(hf_config, family: str) -> DecoderConfig:
     )
 
 
-def _load(model_or_state_dict, config, family: str) -> Decoder:
+def hf_state_and_config(model_or_state_dict, config, to_config) -> tuple[dict, object]:
+    """The state dict and the ``transformers`` config of a model, or of a state dict and its config (``to_config``:
+    the config's :class:`~attnlib.DecoderConfig`, to compare a config given with a model's own). Raises as
+    :func:`from_hf_llama` does."""
     if isinstance(model_or_state_dict, torch.nn.Module):
         own_config = getattr(model_or_state_dict, "config", None)
         if config is not None and own_config is not None:  # a second config must describe the same model
-            given, own = config_from_hf_decoder(config, family), config_from_hf_decoder(own_config, family)
+            given, own = to_config(config), to_config(own_config)
             differ = {k: (v, own.to_dict()[k]) for k, v in given.to_dict().items() if own.to_dict()[k] != v}
             if differ:
                 raise ValueError(f"config contradicts the model's own config: {differ} (given, the model's); "
@@ -163,6 +166,11 @@ def _load(model_or_state_dict, config, family: str) -> Decoder:
     else:
         raise TypeError(f"expected a transformers model or a state dict; got {type(model_or_state_dict).__name__}")
     weight_tensors(state)
+    return state, config
+
+
+def _load(model_or_state_dict, config, family: str) -> Decoder:
+    state, config = hf_state_and_config(model_or_state_dict, config, lambda c: config_from_hf_decoder(c, family))
     ours = Decoder(config_from_hf_decoder(config, family))
     c = ours.config
     own = ours.state_dict()

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from torch import nn
 
 from attnlib.attention.deltanet import GatedDeltaNet
+from attnlib.attention.differential import DifferentialAttention, lambda_init_schedule
 from attnlib.attention.latent import MultiHeadLatentAttention
 from attnlib.attention.linear import LinearAttention
 from attnlib.attention.mods import alibi, compose, softcap
@@ -24,29 +25,36 @@ from attnlib.models.config import DecoderConfig
 __all__ = ["ATTENTION_LAYERS", "build_attention", "build_feedforward", "build_norm"]
 
 
-def _multi_head(config: DecoderConfig, window: int | None, chunk: int | None, rope) -> nn.Module:
+def _multi_head(config: DecoderConfig, window: int | None, chunk: int | None, rope, layer: int = 0,
+                layer_class: type[MultiHeadAttention] = MultiHeadAttention, **options) -> nn.Module:
     score_mod = compose(alibi(config.n_heads) if config.position == "alibi" else None,
                         softcap(config.attn_softcap) if config.attn_softcap is not None else None)
-    return MultiHeadAttention(
+    return layer_class(
         config.d_model, config.n_heads, config.n_kv_heads, block_size=config.block_size, dropout=config.dropout,
         bias=config.attention_bias, attn_fn=config.attn_fn, head_dim=config.head_dim, sliding_window=window,
         chunk_size=chunk, rope=rope, qk_norm=config.qk_norm, norm_eps=config.norm_eps, score_mod=score_mod,
-        scale=config.attention_scale, sinks=config.attention_sinks,
+        scale=config.attention_scale, sinks=config.attention_sinks, **options,
     )
 
 
-def _talking_heads(config: DecoderConfig, window: int | None, chunk: int | None, rope) -> nn.Module:
+def _talking_heads(config: DecoderConfig, window: int | None, chunk: int | None, rope, layer: int = 0) -> nn.Module:
     return TalkingHeadsAttention(config.d_model, config.n_heads, block_size=config.block_size, dropout=config.dropout,
                                  bias=config.attention_bias, sliding_window=window, chunk_size=chunk)
 
 
-def _latent(config: DecoderConfig, window: int | None, chunk: int | None, rope) -> nn.Module:
+def _latent(config: DecoderConfig, window: int | None, chunk: int | None, rope, layer: int = 0) -> nn.Module:
     return MultiHeadLatentAttention(config.d_model, config.n_heads, config.kv_latent_dim, block_size=config.block_size,
                                     dropout=config.dropout, bias=config.attention_bias, attn_fn=config.attn_fn,
                                     sliding_window=window, chunk_size=chunk)
 
 
-#: The softmax layers a config's ``attention`` names, as builders ``(config, window, chunk, rope) -> layer``.
+def _differential(config: DecoderConfig, window: int | None, chunk: int | None, rope, layer: int = 0) -> nn.Module:
+    """DiffLlama's attention: multi-head attention's settings, ``λ_init`` from the layer's index (chapter 20)."""
+    return _multi_head(config, window, chunk, rope, layer, DifferentialAttention, lambda_init=lambda_init_schedule(layer))
+
+
+#: The softmax layers a config's ``attention`` names, as builders ``(config, window, chunk, rope, layer=0) -> module``
+#: (``layer``: the index, which differential attention's λ schedule reads).
 #: MHA, GQA and MQA are one class with different ``n_kv_heads`` (``config.n_kv_heads``).
 ATTENTION_LAYERS: dict[str, Callable[..., nn.Module]] = {
     "mha": _multi_head,  # n_kv_heads = n_heads
@@ -54,6 +62,7 @@ ATTENTION_LAYERS: dict[str, Callable[..., nn.Module]] = {
     "mqa": _multi_head,  # n_kv_heads = 1
     "gqa": _multi_head,  # n_kv_heads from the config
     "mla": _latent,
+    "differential": _differential,
 }
 LINEAR_LAYER_CLASSES = {"gated_deltanet": GatedDeltaNet, "linear": LinearAttention}
 
@@ -72,7 +81,7 @@ def build_attention(config: DecoderConfig, layer: int, rope=None) -> nn.Module:
                                                          dropout=config.dropout, bias=config.attention_bias)
     window = config.sliding_window if kind == "sliding_attention" else None
     chunk = config.attention_chunk_size if kind == "chunked_attention" else None
-    return ATTENTION_LAYERS[config.attention](config, window, chunk, rope)
+    return ATTENTION_LAYERS[config.attention](config, window, chunk, rope, layer)
 
 
 def build_norm(config: DecoderConfig) -> nn.Module:
