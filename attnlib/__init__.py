@@ -40,6 +40,7 @@ from attnlib.models import (
     from_hf_llama,
     from_hf_mistral,
     from_hf_qwen3,
+    from_hf_smollm3,
 )
 from attnlib.positional import (
     LearnedPositionalEmbedding,
@@ -81,6 +82,7 @@ __all__ = [
     "from_hf_llama",
     "from_hf_mistral",
     "from_hf_qwen3",
+    "from_hf_smollm3",
     "generation",
     "kv_cache_bytes",
     "layers",
