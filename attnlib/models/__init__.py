@@ -6,7 +6,7 @@
   their parts: :mod:`~attnlib.models.layers`;
 * loaders from ``transformers``: :func:`from_hf_gpt2` (chapter 14), :func:`from_hf_llama`,
   :func:`from_hf_qwen3`, :func:`from_hf_mistral` (chapter 16), :func:`from_hf_smollm3`
-  (chapter 20);
+  (chapter 20); :mod:`~attnlib.models.hf_llama4`: Llama 4's attention, layer by layer (chapter 20);
 * :class:`Transformer`: the encoder–decoder of Vaswani et al. (chapter 10);
 * :class:`TargetAttention`: DIN's target attention for recommenders (chapter 09).
 """
