@@ -43,6 +43,7 @@ from attnlib.models import (
     from_hf_llama,
     from_hf_mistral,
     from_hf_qwen3,
+    from_hf_smollm3,
 )
 from attnlib.positional import (
     LearnedPositionalEmbedding,
@@ -87,6 +88,7 @@ __all__ = [
     "from_hf_llama",
     "from_hf_mistral",
     "from_hf_qwen3",
+    "from_hf_smollm3",
     "generation",
     "kv_cache_bytes",
     "layers",

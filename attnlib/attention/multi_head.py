@@ -21,9 +21,9 @@ from attnlib._checks import divisible, finite_number, positive_int, probability
 from attnlib.attention.inputs import check_layer_inputs, visible_mask
 from attnlib.attention.mods import chunked, sliding_window
 from attnlib.attention.registry import ATTENTION_FUNCTIONS, get_attention_function
+from attnlib.attention.temperature import AttentionTemperature, qk_norms
 from attnlib.cache.layer import LayerCache
 from attnlib.cache.windowed import ChunkedLayerCache, RingLayerCache
-from attnlib.layers.norms import RMSNorm
 
 __all__ = ["KV_SHARING", "MultiHeadAttention", "refuse_options"]
 
@@ -67,8 +67,13 @@ class MultiHeadAttention(nn.Module):
         rope: ``None`` or the :class:`~attnlib.positional.RotaryEmbedding` (``head_dim`` wide, shared by a
             model's layers) that rotates queries and keys by their positions before the cache, so that
             cached keys are stored rotated (Llama; chapter 16). Self-attention only.
-        qk_norm: an RMSNorm over ``head_dim`` on queries and keys, before RoPE (Qwen3; Dehghani et al. 2023).
+        qk_norm: a norm over ``head_dim`` on queries and keys, before RoPE (Qwen3; Dehghani et al. 2023).
         norm_eps: QK-norm's epsilon.
+        qk_norm_type: ``"rmsnorm"`` (a learned weight, Qwen3) or ``"l2"`` (none, Llama 4's
+            ``Llama4TextL2Norm``): :data:`attnlib.attention.temperature.QK_NORMS`.
+        temperature: ``None`` or an :class:`~attnlib.attention.temperature.AttentionTemperature`: queries
+            scaled by their absolute positions (``positions``, else ``cache.length, …``) after QK-norm and RoPE
+            (Llama 4's temperature tuning on NoPE layers; chapter 20). Causal layers only.
         score_mod: ``None`` or a FlexAttention-style ``(scores, b, h, q_idx, kv_idx) -> scores`` applied
             before the softmax (ALiBi, soft-capping: :mod:`attnlib.attention.mods`); not with ``"sdpa"``
             or ``"flash"``, which cannot modify scores.
@@ -118,6 +123,8 @@ class MultiHeadAttention(nn.Module):
         score_mod=None,
         scale: float | None = None,
         sinks: bool = False,
+        qk_norm_type: str = "rmsnorm",
+        temperature: AttentionTemperature | None = None,
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -162,8 +169,12 @@ class MultiHeadAttention(nn.Module):
             got = f"one of head_dim={rope.head_dim}" if hasattr(rope, "head_dim") else repr(rope)
             raise ValueError(f"rope must be a RotaryEmbedding of head_dim={self.head_dim}; got {got}")
         self.rope = rope
-        self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.q_norm, self.k_norm = qk_norms(qk_norm, qk_norm_type, self.head_dim, norm_eps)
+        if temperature is not None and not isinstance(temperature, AttentionTemperature):
+            raise TypeError(f"temperature must be None or an AttentionTemperature; got {temperature!r}")
+        if temperature is not None and not causal:
+            raise ValueError(f"temperature={temperature!r} scales queries by their positions: causal layers only")
+        self.temperature = temperature
 
     def _rule(self, window: int | None, chunk: int | None):
         """The layer's mask modification beyond causality: its sliding window or chunk (checked), or None."""
@@ -313,7 +324,10 @@ class MultiHeadAttention(nn.Module):
                 would change this layer's attention (``cache.check_layer``); each names the argument.
         """
         T_total = check_layer_inputs(self, x, context, mask, attention_mask, cache, positions)
+        past = 0 if cache is None else cache.length
         q, k, v = self.project(x, context, cache, positions)
+        if self.temperature is not None:  # Llama 4: queries scaled by their absolute positions
+            q = self.temperature(q, positions, past)
         mask = visible_mask(self, mask, attention_mask, cache, q.shape[-2], T_total, x.device)
         y, weights = self.attend(q, k, v, mask, self.causal and context is None, return_weights)
         y = self.resid_dropout(self.merge(self.gate_output(x, y)))

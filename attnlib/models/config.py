@@ -82,6 +82,13 @@ class DecoderConfig:
             ``final_logit_softcapping``).
         attention_sinks: a learned sink logit per head in every softmax layer's denominator (gpt-oss; chapter 20;
             not StreamingLLM's sink tokens); the derived ``attn_fn`` is then ``"eager"`` (SDPA cannot add it).
+        qk_norm_type: with ``qk_norm``, one of :data:`~attnlib.attention.temperature.QK_NORMS`: ``"rmsnorm"``
+            (a learned weight, on every softmax layer: Qwen3) or ``"l2"`` (no weight, on the RoPE layers only:
+            Llama 4's ``use_qk_norm``). Chapter 20.
+        attn_temperature_tuning: Llama 4's temperature tuning on the layers without RoPE (``nope_layers``, or every
+            layer with ``position="nope"``): the query at position ``p`` is multiplied by
+            ``log(floor((p + 1) / floor_scale) + 1) · attn_scale + 1``. floor_scale (> 0), attn_scale (>= 0): its
+            two numbers (Llama 4's 8192 and 0.1), other values only with ``attn_temperature_tuning``.
 
     Raises:
         TypeError / ValueError: a size that is not a positive int, a name that is not one of its choices,
@@ -125,6 +132,10 @@ class DecoderConfig:
     scale_embeddings: bool = False
     logit_softcap: float | None = None
     attention_sinks: bool = False
+    qk_norm_type: str = "rmsnorm"
+    attn_temperature_tuning: bool = False
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
     _derived: dict | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -9,10 +9,12 @@ from collections.abc import Mapping
 
 from attnlib._checks import divisible, finite_number, positive_int, probability
 from attnlib.attention.registry import ATTENTION_FUNCTIONS
+from attnlib.attention.temperature import QK_NORMS, AttentionTemperature
 from attnlib.positional.rotary import RotaryEmbedding
 
 __all__ = ["ATTENTION_VARIANTS", "FEEDFORWARD_KINDS", "LAYER_TYPES", "LINEAR_LAYERS", "NORMS", "NORM_PLACEMENTS",
-           "POSITIONS", "check_attention_sinks", "check_combinations", "check_differential", "check_fields"]
+           "POSITIONS", "check_attention_sinks", "check_combinations", "check_differential", "check_fields",
+           "check_llama4_attention"]
 
 #: The attention of a decoder's softmax layers (chapter 13): MHA, GQA and MQA are one layer with
 #: ``n_kv_heads`` = ``n_heads``, given, 1; talking heads (chapter 05); latent attention (chapter 07);
@@ -120,6 +122,7 @@ def check_combinations(config) -> None:
         for base in {config.rope_base, config.rope_local_base or config.rope_base}:
             RotaryEmbedding(config.head_dim, base, config.rope_scaling, config.block_size)  # checks RoPE's settings
     check_attention_sinks(config)
+    check_llama4_attention(config)
 
 
 def check_attention_sinks(config) -> None:
@@ -145,3 +148,31 @@ def check_differential(config) -> None:
     if config.position == "alibi":
         raise ValueError("position='alibi' does not apply to attention='differential': ALiBi's slopes are per "
                          "head, and a differential head subtracts two maps; use 'rope', 'learned' or 'nope'")
+
+
+def check_llama4_attention(config) -> None:
+    """``qk_norm_type``, ``attn_temperature_tuning``, ``floor_scale``, ``attn_scale`` (Llama 4, chapter 20): their types
+    and ranges, and that they apply (an L2 QK-norm needs a RoPE layer, temperature tuning a NoPE layer).
+    Raises TypeError / ValueError naming the field."""
+    if not isinstance(config.qk_norm_type, str) or config.qk_norm_type not in QK_NORMS:
+        raise ValueError(f"qk_norm_type={config.qk_norm_type!r} is not one of {QK_NORMS}")
+    if not isinstance(config.attn_temperature_tuning, bool):
+        raise TypeError(f"attn_temperature_tuning must be a bool; got {config.attn_temperature_tuning!r}")
+    AttentionTemperature(config.floor_scale, config.attn_scale)  # floor_scale > 0, attn_scale >= 0, named
+    softmax = [i for i, t in enumerate(config.layer_types) if t != "linear_attention"]
+    l2, tuning = config.qk_norm_type == "l2", config.attn_temperature_tuning
+    if l2 and not config.qk_norm:
+        raise ValueError("qk_norm_type='l2' is the kind of QK-norm: it needs qk_norm=True")
+    if l2 and not any(config.uses_rope(i) for i in softmax):
+        raise ValueError("qk_norm_type='l2' normalises the RoPE layers' queries and keys (Llama 4); "
+                         f"no layer uses RoPE (position={config.position!r}, nope_layers={list(config.nope_layers)})")
+    if tuning and (config.position not in ("rope", "nope") or all(config.uses_rope(i) for i in softmax)):
+        raise ValueError("attn_temperature_tuning=True scales the queries of layers without RoPE (Llama 4); "
+                         f"none here (position={config.position!r}, nope_layers={list(config.nope_layers)})")
+    if (l2 or tuning) and config.attention not in ("mha", "gqa", "mqa"):
+        raise ValueError(f"qk_norm_type={config.qk_norm_type!r} / attn_temperature_tuning={tuning} need "
+                         f"attention 'mha', 'gqa' or 'mqa'; got {config.attention!r}")
+    for name, default in (("floor_scale", 8192.0), ("attn_scale", 0.1)):
+        if not tuning and getattr(config, name) != default:
+            raise ValueError(f"{name}={getattr(config, name)!r} is given but attn_temperature_tuning=False does not "
+                             "use it")

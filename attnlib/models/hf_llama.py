@@ -1,4 +1,4 @@
-"""Loading Hugging Face Llama, Qwen3 and Mistral weights into an :class:`attnlib.Decoder`. Chapter 16.
+"""Loading Hugging Face Llama, Qwen3, Mistral and SmolLM3 weights into an :class:`attnlib.Decoder`. Chapters 16, 20.
 
 ``transformers``' ``LlamaForCausalLM`` and ``Qwen3ForCausalLM`` keep separate ``q_proj``,
 ``k_proj``, ``v_proj`` (stacked here into attnlib's fused ``qkv``, rows ``[W_q; W_k; W_v]``) and
@@ -21,7 +21,8 @@ from attnlib.models.config import DecoderConfig
 from attnlib.models.decoder import Decoder
 from attnlib.positional.scaling import ROPE_TYPES
 
-__all__ = ["config_from_hf_decoder", "from_hf_llama", "from_hf_mistral", "from_hf_qwen3", "hf_state_and_config"]
+__all__ = ["config_from_hf_decoder", "from_hf_llama", "from_hf_mistral", "from_hf_qwen3", "from_hf_smollm3",
+           "hf_state_and_config"]
 
 _BLOCK_KEYS = {  # attnlib name -> transformers name (per layer); qkv is stacked from three
     "ln_1.weight": "input_layernorm.weight",
@@ -34,7 +35,7 @@ _BLOCK_KEYS = {  # attnlib name -> transformers name (per layer); qkv is stacked
     "mlp.up.weight": "mlp.up_proj.weight",
     "mlp.down.weight": "mlp.down_proj.weight",
 }
-_FAMILIES = ("llama", "qwen3", "mistral")
+_FAMILIES = ("llama", "qwen3", "mistral", "smollm3")
 
 
 def _flag(get, name: str) -> bool:
@@ -77,16 +78,52 @@ def _qwen3_layers(get, n_layers: int) -> tuple[tuple[str, ...], int | None]:
     return tuple(types), window if "sliding_attention" in types else None
 
 
+def _smollm3_layers(get, n_layers: int) -> tuple[tuple[str, ...], int | None, tuple[int, ...]]:
+    """SmolLM3's ``layer_types``, window and NoPE layers as ``transformers`` builds them: ``no_rope_layers[i] == 1``
+    means layer ``i`` *uses* RoPE (given, or every ``no_rope_layer_interval``-th layer without); sliding layers
+    (given, or the NoPE layers when ``use_sliding_window``) attend within ``sliding_window``."""
+    flags = get("no_rope_layers", None)
+    if flags is None:
+        interval = _int_field(get, "no_rope_layer_interval")
+        flags = [int((i + 1) % interval != 0) for i in range(n_layers)]
+    if isinstance(flags, (str, bytes)) or not hasattr(flags, "__iter__"):
+        raise ValueError(f"no_rope_layers={flags!r} must be a list of 0/1, one per layer (1: the layer uses RoPE)")
+    flags = list(flags)
+    if len(flags) < n_layers or any(f not in (0, 1) or isinstance(f, float) for f in flags):
+        raise ValueError(f"no_rope_layers={flags!r} must give 0 or 1 for each of the {n_layers} layers "
+                         "(1: the layer uses RoPE)")
+    window = get("sliding_window", None)
+    types = get("layer_types", None)
+    if types is None:
+        slide = _flag(get, "use_sliding_window") and window is not None
+        types = ["sliding_attention" if slide and not flags[i] else "full_attention" for i in range(n_layers)]
+    if isinstance(types, (str, bytes)) or not hasattr(types, "__iter__"):
+        raise ValueError(f"layer_types={types!r} must be a list of 'full_attention' / 'sliding_attention'")
+    types = list(types)
+    if len(types) != n_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"cannot reproduce layer_types={types!r}: expected {n_layers} of 'full_attention' / "
+                         "'sliding_attention'")
+    if "sliding_attention" in types:
+        if not _flag(get, "use_sliding_window"):
+            raise ValueError(f"layer_types={types!r} has sliding layers but use_sliding_window="
+                             f"{get('use_sliding_window', None)!r}: transformers' attention functions disagree on it")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"sliding_window={window!r} must be an int >= 1 (layer_types has sliding layers)")
+    nope = tuple(i for i in range(n_layers) if not flags[i])
+    return tuple(types), window if "sliding_attention" in types else None, nope
+
+
 def config_from_hf_decoder(hf_config, family: str) -> DecoderConfig:
-    """The :class:`~attnlib.DecoderConfig` of a ``transformers`` Llama / Qwen3 / Mistral config.
+    """The :class:`~attnlib.DecoderConfig` of a ``transformers`` Llama / Qwen3 / Mistral / SmolLM3 config.
 
     Qwen3's ``layer_types`` map one to one (sliding and full layers, mixed as the config says); a
-    Mistral config's window applies to every layer, as in ``transformers``.
+    Mistral config's window applies to every layer, as in ``transformers``; SmolLM3's ``no_rope_layers``
+    (``0`` at a layer without RoPE) become ``nope_layers``.
 
     Args:
         hf_config: a ``transformers`` config (``LlamaConfig``, ...) or its dict (``config.json``, either the
             ``rope_parameters`` of transformers 5 or the older ``rope_scaling`` + ``rope_theta``).
-        family: ``"llama"``, ``"qwen3"`` or ``"mistral"``.
+        family: ``"llama"``, ``"qwen3"``, ``"mistral"`` or ``"smollm3"``.
 
     Raises:
         TypeError: ``hf_config`` neither a mapping nor a config object.
@@ -129,8 +166,11 @@ def config_from_hf_decoder(hf_config, family: str) -> DecoderConfig:
     for name, (bad, why) in refused.items():
         if bad:
             raise ValueError(f"cannot reproduce {name}={get(name)!r}: {why}")
+    nope = ()
     if family == "qwen3":
         layer_types, window = _qwen3_layers(get, sizes["num_hidden_layers"])
+    elif family == "smollm3":
+        layer_types, window, nope = _smollm3_layers(get, sizes["num_hidden_layers"])
     else:  # Mistral: one window for every layer (transformers ignores layer_types there); Llama: none
         window = get("sliding_window", None) if family == "mistral" else None
         layer_types = None
@@ -141,7 +181,7 @@ def config_from_hf_decoder(hf_config, family: str) -> DecoderConfig:
         head_dim=head_dim or sizes["hidden_size"] // sizes["num_attention_heads"],
         d_ff=sizes["intermediate_size"], rope_base=float(theta), rope_scaling=None if kind == "default" else rope,
         norm_eps=float(eps), qk_norm=family == "qwen3", tie_embeddings=_flag(get, "tie_word_embeddings"),
-        attention_bias=_flag(get, "attention_bias"), layer_types=layer_types, sliding_window=window,
+        attention_bias=_flag(get, "attention_bias"), layer_types=layer_types, sliding_window=window, nope_layers=nope,
     )
 
 
@@ -239,3 +279,10 @@ def from_hf_qwen3(model_or_state_dict, config=None) -> Decoder:
 def from_hf_mistral(model_or_state_dict, config=None) -> Decoder:
     """As :func:`from_hf_llama`, for ``MistralForCausalLM`` (a sliding window on every layer)."""
     return _load(model_or_state_dict, config, "mistral")
+
+
+def from_hf_smollm3(model_or_state_dict, config=None) -> Decoder:
+    """As :func:`from_hf_llama`, for ``SmolLM3ForCausalLM`` (chapter 20): layers without RoPE where
+    ``no_rope_layers[i] == 0`` (every fourth by default), optionally sliding windows on them
+    (``use_sliding_window``); a ``layer_types`` or ``no_rope_layers`` it cannot reproduce is refused, named."""
+    return _load(model_or_state_dict, config, "smollm3")

@@ -18,6 +18,7 @@ from attnlib.attention.linear import LinearAttention
 from attnlib.attention.mods import alibi, compose, softcap
 from attnlib.attention.multi_head import MultiHeadAttention
 from attnlib.attention.talking_heads import TalkingHeadsAttention
+from attnlib.attention.temperature import AttentionTemperature
 from attnlib.layers.feedforward import FeedForward, GeGLU, SwiGLU
 from attnlib.layers.norms import RMSNorm
 from attnlib.models.config import DecoderConfig
@@ -32,7 +33,10 @@ def _multi_head(config: DecoderConfig, window: int | None, chunk: int | None, ro
     return layer_class(
         config.d_model, config.n_heads, config.n_kv_heads, block_size=config.block_size, dropout=config.dropout,
         bias=config.attention_bias, attn_fn=config.attn_fn, head_dim=config.head_dim, sliding_window=window,
-        chunk_size=chunk, rope=rope, qk_norm=config.qk_norm, norm_eps=config.norm_eps, score_mod=score_mod,
+        chunk_size=chunk, rope=rope, qk_norm=config.qk_norm and (config.qk_norm_type != "l2" or rope is not None),
+        norm_eps=config.norm_eps, score_mod=score_mod, qk_norm_type=config.qk_norm_type,  # Llama 4: L2 on RoPE layers
+        temperature=AttentionTemperature(config.floor_scale, config.attn_scale)
+        if config.attn_temperature_tuning and rope is None else None,  # Llama 4: on its NoPE layers
         scale=config.attention_scale, sinks=config.attention_sinks, **options,
     )
 
