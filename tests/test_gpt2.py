@@ -117,6 +117,10 @@ def test_reproducible_hf_variants_give_the_same_logits(changes):
         (dict(norm="rmsnorm"), "config.norm='rmsnorm': GPT-2's layout has norm='layernorm'"),
         (dict(sliding_window=4), "config.layer_types=\\('sliding_attention', 'sliding_attention'\\): GPT-2's layout"),
         (dict(attention="talking_heads"), "config.attention='talking_heads'"),
+        (dict(attention_sinks=True), "config.attention_sinks=True: GPT-2's layout has attention_sinks=False"),
+        (dict(scale_embeddings=True), "config.scale_embeddings=True: GPT-2's layout"),
+        (dict(logit_softcap=30.0), "config.logit_softcap=30.0: GPT-2's layout"),
+        (dict(attention_scale=0.5), "config.attention_scale=0.5: GPT-2's layout"),
     ],
 )
 def test_an_explicit_config_must_match_the_source_model(changes, message):

@@ -29,10 +29,9 @@ from collections.abc import Mapping
 
 import torch
 
-from attnlib._checks import weight_tensors
 from attnlib.models.config import DecoderConfig
 from attnlib.models.decoder import Decoder
-from attnlib.models.hf_llama import _flag, _int_field
+from attnlib.models.hf_llama import _flag, _int_field, hf_state_and_config
 from attnlib.positional.scaling import ROPE_TYPES
 
 __all__ = ["config_from_hf_gemma3", "from_hf_gemma3"]
@@ -172,24 +171,6 @@ def config_from_hf_gemma3(hf_config) -> DecoderConfig:
     )
 
 
-def _state_dict(model_or_state_dict, config) -> tuple[dict, object]:
-    """The transformers state dict and config of a model, or of a state dict with its config."""
-    if isinstance(model_or_state_dict, torch.nn.Module):
-        own_config = getattr(model_or_state_dict, "config", None)
-        if config is not None and own_config is not None:  # a second config must describe the same model
-            given, own = config_from_hf_gemma3(config).to_dict(), config_from_hf_gemma3(own_config).to_dict()
-            differ = {k: (v, own[k]) for k, v in given.items() if own[k] != v}
-            if differ:
-                raise ValueError(f"config contradicts the model's own config: {differ} (given, the model's); "
-                                 "leave config=None to use the model's")
-        return model_or_state_dict.state_dict(), own_config if config is None else config
-    if isinstance(model_or_state_dict, Mapping):
-        if config is None:
-            raise ValueError("a state dict needs its transformers config: from_hf_gemma3(state_dict, config=...)")
-        return dict(model_or_state_dict), config
-    raise TypeError(f"expected a transformers model or a state dict; got {type(model_or_state_dict).__name__}")
-
-
 def from_hf_gemma3(model_or_state_dict, config=None) -> Decoder:
     """An attnlib :class:`~attnlib.Decoder` equal to a ``transformers`` ``Gemma3ForCausalLM`` (chapter 20).
 
@@ -208,8 +189,7 @@ def from_hf_gemma3(model_or_state_dict, config=None) -> Decoder:
             weights (named), a shape mismatch, an ``lm_head.weight`` that differs from the embedding it is tied
             to, weights on the meta device, a ``config`` that contradicts the model's own.
     """
-    state, config = _state_dict(model_or_state_dict, config)
-    weight_tensors(state)
+    state, config = hf_state_and_config(model_or_state_dict, config, config_from_hf_gemma3)
     ours = Decoder(config_from_hf_gemma3(config))
     c, own = ours.config, ours.state_dict()
     wanted = {"tok_emb.weight": "model.embed_tokens.weight"}

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 import torch
 
 from attnlib.attention.multi_head import MultiHeadAttention
+from attnlib.models.hf_llama import _int_field as _size
+from attnlib.models.hf_llama import rope_parameters
 from attnlib.positional.rotary import RotaryEmbedding
 from attnlib.positional.scaling import ROPE_TYPES
 
@@ -28,15 +30,6 @@ def _getter(config):
     if config is None or isinstance(config, (str, bytes, int, float, list, tuple)):
         raise TypeError(f"config must be a transformers GptOssConfig or its dict; got {type(config).__name__}")
     return config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
-
-
-def _size(get, name: str, *, optional: bool = False) -> int | None:
-    value = get(name, None)
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an int >= 1 (the config's {name})")
-    return value
 
 
 def rope_from_hf_gpt_oss(config) -> RotaryEmbedding:
@@ -52,14 +45,7 @@ def rope_from_hf_gpt_oss(config) -> RotaryEmbedding:
     get = _getter(config)
     n_heads, d_model = _size(get, "num_attention_heads"), _size(get, "hidden_size")
     head_dim = _size(get, "head_dim", optional=True) or d_model // n_heads
-    rope = get("rope_parameters", None) or get("rope_scaling", None) or {}
-    if not isinstance(rope, Mapping):
-        raise ValueError(f"rope_parameters must be a dict; got {rope!r}")
-    rope = dict(rope)
-    theta = rope.pop("rope_theta", get("rope_theta", 150000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
-        raise ValueError(f"rope_theta={theta!r} must be a number")
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta, kind, rope = rope_parameters(get, 150000.0)
     if not isinstance(kind, str) or kind not in ROPE_TYPES or "partial_rotary_factor" in rope \
             or get("partial_rotary_factor", None) not in (None, 1, 1.0):
         raise ValueError(f"cannot reproduce rope_parameters={get('rope_parameters', None)!r}: attnlib reproduces "

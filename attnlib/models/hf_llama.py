@@ -22,7 +22,7 @@ from attnlib.models.decoder import Decoder
 from attnlib.positional.scaling import ROPE_TYPES
 
 __all__ = ["config_from_hf_decoder", "from_hf_llama", "from_hf_mistral", "from_hf_qwen3", "from_hf_smollm3",
-           "hf_state_and_config"]
+           "hf_state_and_config", "rope_parameters"]
 
 _BLOCK_KEYS = {  # attnlib name -> transformers name (per layer); qkv is stacked from three
     "ln_1.weight": "input_layernorm.weight",
@@ -55,6 +55,30 @@ def _int_field(get, name: str, *, optional: bool = False) -> int | None:
     return value
 
 
+def rope_parameters(get, default_theta: float) -> tuple[float, object, dict]:
+    """``(rope_theta, rope type, the rest)`` of a config's ``rope_parameters`` (transformers 5) or ``rope_scaling``
+    (older ``config.json``), ``rope_theta`` read from either. Raises ValueError: not a dict, a theta not a number."""
+    rope = get("rope_parameters", None) or get("rope_scaling", None) or {}
+    if not isinstance(rope, Mapping):
+        raise ValueError(f"rope_parameters / rope_scaling must be a dict or None; got {rope!r}")
+    rope = dict(rope)
+    theta = rope.pop("rope_theta", get("rope_theta", default_theta))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ValueError(f"rope_theta={theta!r} must be a number")
+    return float(theta), rope.get("rope_type", rope.get("type", "default")), rope
+
+
+def _full_or_sliding(types, n_layers: int) -> list[str]:
+    """``types`` as a list, checked: ``n_layers`` of ``"full_attention"`` / ``"sliding_attention"``; else ValueError."""
+    if isinstance(types, (str, bytes)) or not hasattr(types, "__iter__"):
+        raise ValueError(f"layer_types={types!r} must be a list of 'full_attention' / 'sliding_attention'")
+    types = list(types)
+    if len(types) != n_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"cannot reproduce layer_types={types!r}: expected {n_layers} of 'full_attention' / "
+                         "'sliding_attention'")
+    return types
+
+
 def _qwen3_layers(get, n_layers: int) -> tuple[tuple[str, ...], int | None]:
     """Qwen3's ``layer_types`` and window, as ``transformers`` builds them: given, or layers from
     ``max_window_layers`` on slide when ``use_sliding_window``."""
@@ -65,12 +89,7 @@ def _qwen3_layers(get, n_layers: int) -> tuple[tuple[str, ...], int | None]:
     if types is None:
         first = get("max_window_layers", 28)
         types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n_layers)]
-    if isinstance(types, (str, bytes)) or not hasattr(types, "__iter__"):
-        raise ValueError(f"layer_types={types!r} must be a list of 'full_attention' / 'sliding_attention'")
-    types = list(types)
-    if len(types) != n_layers or not set(types) <= {"sliding_attention", "full_attention"}:
-        raise ValueError(f"cannot reproduce layer_types={types!r}: expected {n_layers} of 'full_attention' / "
-                         "'sliding_attention'")
+    types = _full_or_sliding(types, n_layers)
     if window is None and "sliding_attention" in types:
         raise ValueError(f"layer_types={types!r} has sliding layers but no window (use_sliding_window="
                          f"{get('use_sliding_window', None)!r}, sliding_window={get('sliding_window', None)!r}); "
@@ -97,12 +116,7 @@ def _smollm3_layers(get, n_layers: int) -> tuple[tuple[str, ...], int | None, tu
     if types is None:
         slide = _flag(get, "use_sliding_window") and window is not None
         types = ["sliding_attention" if slide and not flags[i] else "full_attention" for i in range(n_layers)]
-    if isinstance(types, (str, bytes)) or not hasattr(types, "__iter__"):
-        raise ValueError(f"layer_types={types!r} must be a list of 'full_attention' / 'sliding_attention'")
-    types = list(types)
-    if len(types) != n_layers or not set(types) <= {"sliding_attention", "full_attention"}:
-        raise ValueError(f"cannot reproduce layer_types={types!r}: expected {n_layers} of 'full_attention' / "
-                         "'sliding_attention'")
+    types = _full_or_sliding(types, n_layers)
     if "sliding_attention" in types:
         if not _flag(get, "use_sliding_window"):
             raise ValueError(f"layer_types={types!r} has sliding layers but use_sliding_window="
@@ -153,14 +167,7 @@ def config_from_hf_decoder(hf_config, family: str) -> DecoderConfig:
         "partial_rotary_factor": (get("partial_rotary_factor", None) not in (None, 1, 1.0),
                                   "partial rotary (RoPE on part of each head) is not reproduced"),
     }
-    rope = get("rope_parameters", None) or get("rope_scaling", None) or {}
-    if not isinstance(rope, Mapping):
-        raise ValueError(f"rope_parameters / rope_scaling must be a dict or None; got {rope!r}")
-    rope = dict(rope)
-    theta = rope.pop("rope_theta", get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
-        raise ValueError(f"rope_theta={theta!r} must be a number")
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta, kind, rope = rope_parameters(get, 10000.0)
     refused["rope_parameters"] = (not isinstance(kind, str) or kind not in ROPE_TYPES or "partial_rotary_factor" in rope,
                                   f"RoPE type {kind!r} / fields {sorted(rope)} (attnlib reproduces {sorted(ROPE_TYPES)})")
     for name, (bad, why) in refused.items():
