@@ -50,6 +50,7 @@ class LayerCache:
         self._length = 0
         self.buffers: list[torch.Tensor] = []  # one per cached tensor, allocated on the first update
         self._last = (0, 0)  # (start, end) of the last update
+        self.returned: tuple[torch.Tensor, ...] = ()  # what the last update returned (read by a SharedLayerCache)
 
     # ------------------------------------------------------------ where positions go (subclasses)
 
@@ -105,7 +106,7 @@ class LayerCache:
         start, end = self.length, self.length + T_new
         self.check_room(end)
         out = self.store(new, start)
-        self._last, self._length = (start, end), end
+        self._last, self._length, self.returned = (start, end), end, out
         return out
 
     def store(self, new: tuple[torch.Tensor, ...], start: int) -> tuple[torch.Tensor, ...]:
@@ -126,6 +127,11 @@ class LayerCache:
         """``(T_k,)`` int64: the positions of the keys the last :meth:`update` returned, in order."""
         start, end = self._last
         return torch.cat([self.needed(start), torch.arange(start, end)])
+
+    @property
+    def returned_span(self) -> tuple[int, int]:
+        """``(start, end)``: the positions the last :meth:`update` added (``returned`` holds what it returned)."""
+        return self._last
 
     def check_new(self, new: tuple[torch.Tensor, ...]) -> int:
         """Raise unless ``new`` holds as many tensors as the cache holds, each ``(B, ..., T_new, width)``; return ``T_new``."""

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from torch import nn
 
 from attnlib.attention.deltanet import GatedDeltaNet
+from attnlib.attention.kv_reuse import KVReuseAttention
 from attnlib.attention.latent import MultiHeadLatentAttention
 from attnlib.attention.linear import LinearAttention
 from attnlib.attention.mods import alibi, compose, softcap
@@ -33,6 +34,27 @@ def _multi_head(config: DecoderConfig, window: int | None, chunk: int | None, ro
         chunk_size=chunk, rope=rope, qk_norm=config.qk_norm, norm_eps=config.norm_eps, score_mod=score_mod,
         scale=config.attention_scale,
     )
+
+
+def _kv_reuse(config: DecoderConfig, layer: int, window: int | None, chunk: int | None, rope) -> nn.Module:
+    """Gemma 4's attention (chapter 20): the layer's own sizes (:meth:`~DecoderConfig.head_dim_of`), keys as values on
+    full layers, the value norm, or another layer's keys and values (:meth:`~DecoderConfig.kv_source`)."""
+    source = config.kv_source(layer)
+    full = config.layer_types[layer] == "full_attention"
+    score_mod = softcap(config.attn_softcap) if config.attn_softcap is not None else None
+    return KVReuseAttention(
+        config.d_model, config.n_heads, config.n_kv_heads_of(layer), block_size=config.block_size,
+        dropout=config.dropout, bias=config.attention_bias, attn_fn=config.attn_fn, head_dim=config.head_dim_of(layer),
+        sliding_window=window, chunk_size=chunk, rope=rope, qk_norm=config.qk_norm, norm_eps=config.norm_eps,
+        score_mod=score_mod, scale=config.attention_scale, kv_source=source,
+        k_eq_v=config.attention_k_eq_v and full and source is None, value_norm=config.value_norm and source is None,
+    )
+
+
+def reuses_kv(config: DecoderConfig) -> bool:
+    """Whether the config asks for Gemma 4's attention (:func:`_kv_reuse`) rather than its variant's builder."""
+    return bool(config.num_kv_shared_layers or config.attention_k_eq_v or config.value_norm
+                or config.global_head_dim is not None or config.global_n_kv_heads is not None)
 
 
 def _talking_heads(config: DecoderConfig, window: int | None, chunk: int | None, rope) -> nn.Module:
@@ -72,6 +94,8 @@ def build_attention(config: DecoderConfig, layer: int, rope=None) -> nn.Module:
                                                          dropout=config.dropout, bias=config.attention_bias)
     window = config.sliding_window if kind == "sliding_attention" else None
     chunk = config.attention_chunk_size if kind == "chunked_attention" else None
+    if reuses_kv(config):
+        return _kv_reuse(config, layer, window, chunk, rope)
     return ATTENTION_LAYERS[config.attention](config, window, chunk, rope)
 
 
