@@ -61,6 +61,17 @@ def test_logits_equal_transformers(pair):
     assert (theirs - mine).abs().max() < 1e-5  # measured 7.3e-7 (float32)
 
 
+def test_state_dict_with_config_dict_and_left_padding(pair):
+    hf = pair[0]
+    ours = from_hf_gemma4(hf.state_dict(), hf.config.to_dict()).eval()  # config.json's form
+    idx = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[1, :3] = False  # row 1 left-padded by 3
+    with torch.no_grad():
+        mine, theirs = ours(idx, attention_mask=mask)[0], hf(idx, attention_mask=mask.long()).logits
+    assert (mine[:, 3:] - theirs[:, 3:]).abs().max() < 1e-5  # measured 4.9e-7
+
+
 def test_parameters_counted_alike(pair):
     hf, ours = pair  # shared layers: no k/v projections or norms in either; tied head counted once
     assert ours.num_parameters() == sum(p.numel() for p in hf.parameters())
@@ -198,6 +209,8 @@ def test_shared_layer_without_its_cache_refused():
         model.blocks[4].attn.new_cache(32)
     with pytest.raises(ValueError, match="sink cache"):
         attnlib.cache.KVCache.streaming(model, window=4)
+    with pytest.raises(ValueError, match="layer 4 attends with layer 2's keys and values"):
+        attnlib.cache.PagedKVCache.for_model(model, n_pages=4)
 
 
 @pytest.mark.parametrize("change, message", [

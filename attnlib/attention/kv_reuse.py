@@ -1,4 +1,4 @@
-"""Attention that reuses keys and values: Gemma 4's layer (Gemma Team 2026). Chapter 20.
+"""Attention that reuses keys and values: Gemma 4's layer (transformers' ``Gemma4TextAttention``). Chapter 20.
 
 :class:`KVReuseAttention` is :class:`~attnlib.attention.multi_head.MultiHeadAttention` with three changes,
 each a switch:

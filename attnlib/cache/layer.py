@@ -43,6 +43,9 @@ class LayerCache:
     renumbers = False
     #: The cache's own rule on which keys a query sees, beyond causality and the layer's (None: none).
     mask_mod = None
+    #: Keep what the last update returned in ``returned`` (set by a :class:`~attnlib.cache.SharedLayerCache`
+    #: over this one: another layer attends with these keys and values).
+    keep_returned = False
 
     def __init__(self, block_size: int) -> None:
         positive_int("block_size", block_size)
@@ -106,7 +109,9 @@ class LayerCache:
         start, end = self.length, self.length + T_new
         self.check_room(end)
         out = self.store(new, start)
-        self._last, self._length, self.returned = (start, end), end, out
+        self._last, self._length = (start, end), end
+        if self.keep_returned:
+            self.returned = out
         return out
 
     def store(self, new: tuple[torch.Tensor, ...], start: int) -> tuple[torch.Tensor, ...]:

@@ -45,6 +45,7 @@ class SharedLayerCache:
             raise TypeError(f"source must be a layer cache that keeps its last update (LayerCache, a ring, a chunk; "
                             f"not a sink cache); got {type(source).__name__}")
         self.source = source
+        source.keep_returned = True  # the source now keeps what its last update returned
         self._length = 0
         self._start = 0
 

@@ -1,4 +1,4 @@
-"""What Gemma 4 (Gemma Team 2026) adds to a decoder outside attention: per-layer inputs and partial RoPE. Chapter 20.
+"""What Gemma 4 adds to a decoder outside attention: per-layer inputs and partial RoPE. Chapter 20.
 
 * :class:`PerLayerInputs`: one input per layer for each token, ``(B, T, n_layers, d_per_layer_input)``: a
   second token embedding (scaled by ``√d_per_layer_input``) plus a projection of the scaled main embedding
