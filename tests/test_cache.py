@@ -74,7 +74,8 @@ def test_cache_holds_exactly_what_the_variant_needs(attention):
     with torch.no_grad():
         model(torch.randint(0, 23, (3, 7)), cache=cache)
     # DeepSeek-V2 Table 1, per token and layer: 2·n_h·d_h, 2·n_g·d_h, 2·d_h, d_c
-    per_token = {"mha": 2 * 4 * 8, "talking_heads": 2 * 4 * 8, "gqa": 2 * 2 * 8, "mqa": 2 * 8, "mla": 8}[attention]
+    per_token = {"mha": 2 * 4 * 8, "talking_heads": 2 * 4 * 8, "gqa": 2 * 2 * 8, "mqa": 2 * 8, "mla": 8,
+                 "differential": 2 * 4 * 8}[attention]  # differential: plain keys and values (chapter 20)
     assert model.blocks[0].attn.cache_width == per_token
     assert cache.bytes_per_token() == per_token * model.config.n_layers * 4  # fp32
     assert model.kv_cache_bytes_per_token() == cache.bytes_per_token()
@@ -87,6 +88,7 @@ def test_cache_holds_exactly_what_the_variant_needs(attention):
         "gqa": [(3, 2, 16, 8), (3, 2, 16, 8)],
         "mqa": [(3, 1, 16, 8), (3, 1, 16, 8)],
         "mla": [(3, 16, 8)],
+        "differential": [(3, 4, 16, 8), (3, 4, 16, 8)],
     }[attention]
     assert shapes == expected
 

@@ -7,6 +7,8 @@
 * :class:`PagedLayerCache`, :class:`PagedKVCache`, :class:`PageAllocator` (:mod:`~attnlib.cache.paged`):
   vLLM's pages shared by many sequences (chapter 19);
 * :class:`RecurrentState` (:mod:`~attnlib.cache.recurrent`): a linear-attention layer's fixed state (chapter 18);
+* :class:`SharedLayerCache`, :class:`ForwardLayerCache` (:mod:`~attnlib.cache.shared`): a layer that attends
+  with another layer's keys and values keeps none (cross-layer KV sharing, Gemma 4; chapter 20);
 * :class:`KVCache` (:mod:`~attnlib.cache.model`): one of the above per layer of a decoder;
 * :func:`kv_cache_bytes` (:mod:`~attnlib.cache.memory`): the memory a cache will need, before allocating it.
 """
@@ -15,10 +17,12 @@ from attnlib.cache.memory import kv_cache_bytes, layer_windows
 from attnlib.cache.model import KVCache
 from attnlib.cache.paged import OutOfPages, PageAllocator, PagedKVCache, PagedLayerCache
 from attnlib.cache.recurrent import RecurrentState
+from attnlib.cache.shared import ForwardLayerCache, SharedLayerCache, forward_caches
 from attnlib.cache.windowed import ChunkedLayerCache, RingLayerCache, SinkLayerCache
 
 __all__ = [
     "ChunkedLayerCache",
+    "ForwardLayerCache",
     "KVCache",
     "LayerCache",
     "OutOfPages",
@@ -27,7 +31,9 @@ __all__ = [
     "PagedLayerCache",
     "RecurrentState",
     "RingLayerCache",
+    "SharedLayerCache",
     "SinkLayerCache",
+    "forward_caches",
     "kv_cache_bytes",
     "layer_windows",
 ]

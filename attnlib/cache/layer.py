@@ -43,6 +43,9 @@ class LayerCache:
     renumbers = False
     #: The cache's own rule on which keys a query sees, beyond causality and the layer's (None: none).
     mask_mod = None
+    #: Keep what the last update returned in ``returned`` (set by a :class:`~attnlib.cache.SharedLayerCache`
+    #: over this one: another layer attends with these keys and values).
+    keep_returned = False
 
     def __init__(self, block_size: int) -> None:
         positive_int("block_size", block_size)
@@ -50,6 +53,7 @@ class LayerCache:
         self._length = 0
         self.buffers: list[torch.Tensor] = []  # one per cached tensor, allocated on the first update
         self._last = (0, 0)  # (start, end) of the last update
+        self.returned: tuple[torch.Tensor, ...] = ()  # what the last update returned (read by a SharedLayerCache)
 
     # ------------------------------------------------------------ where positions go (subclasses)
 
@@ -106,6 +110,8 @@ class LayerCache:
         self.check_room(end)
         out = self.store(new, start)
         self._last, self._length = (start, end), end
+        if self.keep_returned:
+            self.returned = out
         return out
 
     def store(self, new: tuple[torch.Tensor, ...], start: int) -> tuple[torch.Tensor, ...]:
@@ -126,6 +132,11 @@ class LayerCache:
         """``(T_k,)`` int64: the positions of the keys the last :meth:`update` returned, in order."""
         start, end = self._last
         return torch.cat([self.needed(start), torch.arange(start, end)])
+
+    @property
+    def returned_span(self) -> tuple[int, int]:
+        """``(start, end)``: the positions the last :meth:`update` added (``returned`` holds what it returned)."""
+        return self._last
 
     def check_new(self, new: tuple[torch.Tensor, ...]) -> int:
         """Raise unless ``new`` holds as many tensors as the cache holds, each ``(B, ..., T_new, width)``; return ``T_new``."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from attnlib._checks import non_negative_int, positive_int
+from attnlib.cache.shared import kv_sources, link_shared
 from attnlib.cache.windowed import SinkLayerCache
 
 __all__ = ["KVCache"]
@@ -50,10 +51,12 @@ class KVCache:
         """An empty cache for ``model``: what each of its layers asks for (``block.attn.new_cache``).
 
         ``windows=False``: a windowed or chunked layer gets a full cache too (its rule then applies as a
-        mask): the same tokens, without the memory saving.
+        mask): the same tokens, without the memory saving. A layer that shares another's keys and values
+        (``block.attn.kv_source``, Gemma 4) gets a :class:`~attnlib.cache.SharedLayerCache` over its source's.
         """
-        block_size = model.config.block_size
-        return cls([block.attn.new_cache(block_size, windows=windows) for block in model.blocks])
+        block_size, sources = model.config.block_size, kv_sources(model)
+        return cls(link_shared([None if source is not None else block.attn.new_cache(block_size, windows=windows)
+                                for block, source in zip(model.blocks, sources)], sources))
 
     @classmethod
     def streaming(cls, model, window: int, n_sink: int = 4, block_size: int | None = None) -> KVCache:
@@ -62,6 +65,10 @@ class KVCache:
         model's; a stream may be longer). Chapter 17.
         """
         positive_int("window", window)
+        shared = [i for i, source in enumerate(kv_sources(model)) if source is not None]
+        if shared:
+            raise ValueError(f"layers {shared} share other layers' keys and values: a sink cache, which renumbers "
+                             "positions, cannot serve them")
         block_size = model.config.block_size if block_size is None else block_size
         return cls([SinkLayerCache(block_size, window, n_sink) for _ in model.blocks])
 

@@ -260,9 +260,13 @@ class PagedKVCache(KVCache):
         """An empty paged cache for ``model``; windowed layers keep every position (the window is a mask).
 
         Raises:
-            ValueError: a layer that keeps a recurrent state (a linear layer), which pages do not hold.
+            ValueError: a layer that keeps a recurrent state (a linear layer), which pages do not hold, or that
+                attends with another layer's keys and values (KV sharing, chapter 20).
         """
         for i, block in enumerate(model.blocks):
+            if getattr(block.attn, "kv_source", None) is not None:
+                raise ValueError(f"layer {i} attends with layer {block.attn.kv_source}'s keys and values (KV sharing): "
+                                 "a paged cache cannot serve it")
             if block.attn.cache_width == 0:
                 raise ValueError(f"layer {i} ({type(block.attn).__name__}) keeps a recurrent state, not keys and "
                                  "values: a paged cache cannot serve it")

@@ -6,8 +6,9 @@
   their parts: :mod:`~attnlib.models.layers`;
 * loaders from ``transformers``: :func:`from_hf_gpt2` (chapter 14), :func:`from_hf_llama`,
   :func:`from_hf_qwen3`, :func:`from_hf_mistral` (chapter 16), :func:`from_hf_diffllama`,
-  :func:`from_hf_gemma3`, :func:`from_hf_smollm3` (chapter 20); :mod:`~attnlib.models.hf_llama4` and
-  :mod:`~attnlib.models.hf_gpt_oss`: Llama 4's and gpt-oss's attention, layer by layer (chapter 20);
+  :func:`from_hf_gemma3`, :func:`from_hf_gemma4`, :func:`from_hf_smollm3` (chapter 20);
+  :mod:`~attnlib.models.hf_llama4` and :mod:`~attnlib.models.hf_gpt_oss`: Llama 4's and gpt-oss's attention,
+  layer by layer (chapter 20);
 * :class:`Transformer`: the encoder–decoder of Vaswani et al. (chapter 10);
 * :class:`TargetAttention`: DIN's target attention for recommenders (chapter 09).
 """
@@ -16,6 +17,7 @@ from attnlib.models.decoder import GPT, Block, Decoder
 from attnlib.models.din import TargetAttention
 from attnlib.models.hf_diffllama import from_hf_diffllama
 from attnlib.models.hf_gemma import from_hf_gemma3
+from attnlib.models.hf_gemma4 import from_hf_gemma4
 from attnlib.models.hf_gpt2 import from_hf_gpt2
 from attnlib.models.hf_llama import from_hf_llama, from_hf_mistral, from_hf_qwen3, from_hf_smollm3
 from attnlib.models.transformer import DecoderLayer, EncoderLayer, Transformer
@@ -32,6 +34,7 @@ __all__ = [
     "Transformer",
     "from_hf_diffllama",
     "from_hf_gemma3",
+    "from_hf_gemma4",
     "from_hf_gpt2",
     "from_hf_llama",
     "from_hf_mistral",

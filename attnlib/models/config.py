@@ -89,6 +89,21 @@ class DecoderConfig:
             layer with ``position="nope"``): the query at position ``p`` is multiplied by
             ``log(floor((p + 1) / floor_scale) + 1) · attn_scale + 1``. floor_scale (> 0), attn_scale (>= 0): its
             two numbers (Llama 4's 8192 and 0.1), other values only with ``attn_temperature_tuning``.
+        num_kv_shared_layers: the last ``num_kv_shared_layers`` layers compute no keys or values: each attends
+            with those of the last earlier layer of its type, and has no cache of its own (cross-layer KV
+            sharing, Gemma 4; :meth:`kv_source`). Chapter 20.
+        global_head_dim: the head width of the ``"full_attention"`` layers (Gemma 4's ``global_head_dim``);
+            None: ``head_dim``. global_n_kv_heads: their key/value heads (``num_global_key_value_heads``); None:
+            ``n_kv_heads``. See :meth:`head_dim_of`, :meth:`n_kv_heads_of`.
+        global_partial_rotary_factor: None, or the share of a full-attention head's pairs that RoPE turns, the
+            others left unrotated, frequencies as over the whole head (Gemma 4's ``"proportional"`` RoPE).
+        attention_k_eq_v: full-attention layers take their values from the key projection, before the key's
+            norm and RoPE (no value projection; transformers' ``attention_k_eq_v``).
+        value_norm: an RMSNorm without scale over each value head (Gemma 4's ``v_norm``).
+        d_per_layer_input: None, or the width of the per-layer inputs each layer adds to its output (Gemma 4's
+            ``hidden_size_per_layer_input``): a second token embedding of ``n_layers · d_per_layer_input`` and a
+            projection of the embeddings, one slice per layer, gated into the residual stream.
+        layer_scalar: each layer's output multiplied by a stored scalar (a buffer, 1 until loaded; Gemma 4).
 
     Raises:
         TypeError / ValueError: a size that is not a positive int, a name that is not one of its choices,
@@ -136,6 +151,14 @@ class DecoderConfig:
     attn_temperature_tuning: bool = False
     floor_scale: float = 8192.0
     attn_scale: float = 0.1
+    num_kv_shared_layers: int = 0
+    global_head_dim: int | None = None
+    global_n_kv_heads: int | None = None
+    global_partial_rotary_factor: float | None = None
+    attention_k_eq_v: bool = False
+    value_norm: bool = False
+    d_per_layer_input: int | None = None
+    layer_scalar: bool = False
     _derived: dict | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -182,6 +205,24 @@ class DecoderConfig:
     def uses_rope(self, layer: int) -> bool:
         """Whether layer ``layer`` rotates its queries and keys (RoPE, not a NoPE or linear layer)."""
         return self.position == "rope" and layer not in self.nope_layers and self.layer_types[layer] != "linear_attention"
+
+    def head_dim_of(self, layer: int) -> int:
+        """Layer ``layer``'s head width: ``global_head_dim`` on a full-attention layer when given, else ``head_dim``."""
+        wide = self.layer_types[layer] == "full_attention" and self.global_head_dim is not None
+        return self.global_head_dim if wide else self.head_dim
+
+    def n_kv_heads_of(self, layer: int) -> int:
+        """Layer ``layer``'s key/value heads: ``global_n_kv_heads`` on a full-attention layer when given."""
+        wide = self.layer_types[layer] == "full_attention" and self.global_n_kv_heads is not None
+        return self.global_n_kv_heads if wide else self.n_kv_heads
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose keys and values layer ``layer`` attends with: the last layer of its type before the
+        ``num_kv_shared_layers`` shared ones (transformers' ``kv_sharing_modes``), or None (its own)."""
+        first = self.n_layers - self.num_kv_shared_layers
+        if layer < first:
+            return None
+        return max(i for i in range(first) if self.layer_types[i] == self.layer_types[layer])
 
     def replace(self, **changes) -> DecoderConfig:
         """A copy with ``changes``, checked again; derived fields are derived again unless given."""

@@ -14,7 +14,7 @@ from attnlib.positional.rotary import RotaryEmbedding
 
 __all__ = ["ATTENTION_VARIANTS", "FEEDFORWARD_KINDS", "LAYER_TYPES", "LINEAR_LAYERS", "NORMS", "NORM_PLACEMENTS",
            "POSITIONS", "check_attention_sinks", "check_combinations", "check_differential", "check_fields",
-           "check_llama4_attention"]
+           "check_kv_reuse", "check_llama4_attention"]
 
 #: The attention of a decoder's softmax layers (chapter 13): MHA, GQA and MQA are one layer with
 #: ``n_kv_heads`` = ``n_heads``, given, 1; talking heads (chapter 05); latent attention (chapter 07);
@@ -118,6 +118,7 @@ def check_combinations(config) -> None:
     if config.score_mods() and config.attn_fn in ("sdpa", "flash"):
         raise ValueError(f"attn_fn={config.attn_fn!r} cannot modify scores (ALiBi / attn_softcap): use 'eager' or 'tiled'")
     check_differential(config)
+    check_kv_reuse(config)
     if config.position == "rope":
         for base in {config.rope_base, config.rope_local_base or config.rope_base}:
             RotaryEmbedding(config.head_dim, base, config.rope_scaling, config.block_size)  # checks RoPE's settings
@@ -176,3 +177,53 @@ def check_llama4_attention(config) -> None:
         if not tuning and getattr(config, name) != default:
             raise ValueError(f"{name}={getattr(config, name)!r} is given but attn_temperature_tuning=False does not "
                              "use it")
+
+
+def check_kv_reuse(config) -> None:
+    """Gemma 4's fields (chapter 20): KV sharing, the full-attention layers' own sizes and RoPE, keys as values,
+    the value norm, per-layer inputs, layer scalars. Raises TypeError / ValueError naming the field."""
+    for name in ("attention_k_eq_v", "value_norm", "layer_scalar"):
+        if not isinstance(getattr(config, name), bool):
+            raise TypeError(f"{name} must be a bool; got {getattr(config, name)!r}")
+    for name in ("global_head_dim", "global_n_kv_heads", "d_per_layer_input"):
+        if getattr(config, name) is not None:
+            positive_int(name, getattr(config, name))
+    n = config.num_kv_shared_layers
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < config.n_layers:
+        raise ValueError(f"num_kv_shared_layers={n!r} must be an int in [0, n_layers={config.n_layers})")
+    fraction = config.global_partial_rotary_factor
+    if fraction is not None and not 0 < finite_number("global_partial_rotary_factor", fraction) <= 1:
+        raise ValueError(f"global_partial_rotary_factor={fraction!r} must be in (0, 1]")
+    attention_only = {"num_kv_shared_layers": n or None, "global_head_dim": config.global_head_dim,
+                      "global_n_kv_heads": config.global_n_kv_heads, "attention_k_eq_v": config.attention_k_eq_v or None,
+                      "value_norm": config.value_norm or None}
+    for name, value in attention_only.items():
+        if value is not None and config.attention not in ("mha", "gqa", "mqa"):
+            raise ValueError(f"{name}={value!r} is for attention='mha'/'gqa'/'mqa'; got {config.attention!r}")
+        if value is not None and config.position == "alibi":
+            raise ValueError(f"{name}={value!r} does not take position='alibi' (Gemma 4's attention uses RoPE)")
+    full = {"global_head_dim": config.global_head_dim, "global_n_kv_heads": config.global_n_kv_heads,
+            "global_partial_rotary_factor": fraction, "attention_k_eq_v": config.attention_k_eq_v or None}
+    for name, value in full.items():
+        if value is not None and "full_attention" not in config.layer_types:
+            raise ValueError(f"{name}={value!r} is for the 'full_attention' layers; layer_types has none")
+    if config.global_n_kv_heads is not None:
+        if config.attention != "gqa":
+            raise ValueError(f"global_n_kv_heads={config.global_n_kv_heads} needs attention='gqa'; got {config.attention!r}")
+        divisible("n_heads", config.n_heads, "global_n_kv_heads", config.global_n_kv_heads)
+    if config.position == "rope" and config.global_head_dim is not None and config.global_head_dim % 2:
+        raise ValueError(f"global_head_dim={config.global_head_dim} must be even for RoPE")
+    if fraction is not None and config.position != "rope":
+        raise ValueError(f"global_partial_rotary_factor={fraction!r} is given but position={config.position!r} does not use RoPE")
+    first = config.n_layers - n
+    for layer in range(first, config.n_layers):
+        kind = config.layer_types[layer]
+        if kind == "linear_attention":
+            raise ValueError(f"num_kv_shared_layers={n}: layer {layer} is a linear layer, which has no keys and "
+                             "values to share")
+        if kind not in config.layer_types[:first]:
+            raise ValueError(f"num_kv_shared_layers={n}: shared layer {layer} ({kind!r}) has no earlier {kind!r} "
+                             f"layer among layers 0..{first - 1} to take keys and values from")
+        if (layer in config.nope_layers) != (config.kv_source(layer) in config.nope_layers):
+            raise ValueError(f"num_kv_shared_layers={n}: layer {layer} and its source {config.kv_source(layer)} "
+                             "must both use RoPE or both not (nope_layers)")

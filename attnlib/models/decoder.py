@@ -18,9 +18,11 @@ from attnlib._checks import cross_entropy_loss, eval_mode, token_ids
 from attnlib.attention.inputs import check_positions
 from attnlib.attention.masks import check_attention_mask, mask_positions
 from attnlib.cache.model import KVCache
+from attnlib.cache.shared import forward_caches
 from attnlib.generation.generate import generate
 from attnlib.models.config import DecoderConfig
 from attnlib.models.layers import build_attention, build_feedforward, build_norm
+from attnlib.models.per_layer import PartialRotaryEmbedding, PerLayerInputGate, PerLayerInputs
 from attnlib.positional.rotary import RotaryEmbedding
 
 __all__ = ["GPT", "Block", "Decoder"]
@@ -48,20 +50,29 @@ class Block(nn.Module):
         sandwich = config.norm_placement == "sandwich"
         self.post_attn_norm = build_norm(config) if sandwich else None
         self.post_mlp_norm = build_norm(config) if sandwich else None
+        d_input = config.d_per_layer_input  # Gemma 4: the layer's own input, gated in after the feed-forward
+        self.per_layer_input = None if d_input is None else PerLayerInputGate(config.d_model, d_input, config.norm_eps)
+        if config.layer_scalar:
+            self.register_buffer("layer_scalar", torch.ones(1))  # Gemma 4's, loaded with the weights
 
     def forward(
         self, x: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None, return_weights: bool = False,
+        positions: torch.Tensor | None = None, return_weights: bool = False, per_layer_input: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``(B, T, d_model)`` → ``(B, T, d_model)``; with ``return_weights`` also the attention weights
         ``(B, n_heads, T, T_k)`` (eager path). ``cache``: this layer's cache; ``attention_mask`` ``(B, T_k)``
-        and ``positions`` ``(B, T)`` go to the attention (left padding, chapter 19)."""
+        and ``positions`` ``(B, T)`` go to the attention (left padding, chapter 19); ``per_layer_input``
+        ``(B, T, d_per_layer_input)``: this layer's input (Gemma 4)."""
         a = self.attn(self.ln_1(x), cache=cache, attention_mask=attention_mask, positions=positions,
                       return_weights=return_weights)
         a, weights = a if return_weights else (a, None)
         x = x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
         m = self.mlp(self.ln_2(x))
         x = x + (m if self.post_mlp_norm is None else self.post_mlp_norm(m))
+        if self.per_layer_input is not None:
+            x = self.per_layer_input(x, per_layer_input)
+        if hasattr(self, "layer_scalar"):
+            x = x * self.layer_scalar
         return (x, weights) if return_weights else x
 
 
@@ -91,6 +102,14 @@ class Decoder(nn.Module):
             self.rope = RotaryEmbedding(config.head_dim, config.rope_base, config.rope_scaling, config.block_size)
             if config.rope_local_base is not None:  # sliding layers' own base (Gemma 3), unscaled
                 self.rope_local = RotaryEmbedding(config.head_dim, config.rope_local_base, None, config.block_size)
+            wide, fraction = config.global_head_dim or config.head_dim, config.global_partial_rotary_factor
+            if fraction is not None:  # full layers' own table (Gemma 4): wider, part of each head turned
+                self.rope_global = PartialRotaryEmbedding(wide, config.rope_base, fraction, config.block_size)
+            elif wide != config.head_dim:
+                self.rope_global = RotaryEmbedding(wide, config.rope_base, config.rope_scaling, config.block_size)
+        if config.d_per_layer_input is not None:
+            self.per_layer = PerLayerInputs(config.vocab_size, config.d_model, config.n_layers,
+                                            config.d_per_layer_input, config.norm_eps)
         self.blocks = nn.ModuleList(Block(config, i, self.rope_of(i)) for i in range(config.n_layers))
         self.ln_f = build_norm(config)  # transformers: model.norm
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
@@ -99,10 +118,13 @@ class Decoder(nn.Module):
         self.reset_parameters()
 
     def rope_of(self, layer: int) -> RotaryEmbedding | None:
-        """The RoPE table layer ``layer`` rotates with: the local one on sliding layers when there is one; None
-        for a NoPE or linear layer, or without RoPE."""
+        """The RoPE table layer ``layer`` rotates with: the local one on sliding layers when there is one, the
+        global one on full layers when they have their own (Gemma 4); None for a NoPE or linear layer, or without
+        RoPE."""
         if not self.config.uses_rope(layer):
             return None
+        if self.config.layer_types[layer] == "full_attention" and hasattr(self, "rope_global"):
+            return self.rope_global
         local = self.config.layer_types[layer] == "sliding_attention" and self.config.rope_local_base is not None
         return self.rope_local if local else self.rope
 
@@ -202,8 +224,10 @@ class Decoder(nn.Module):
         if positions is not None:
             check_positions(positions, idx)
         x = self.embed(idx, start, positions)
+        inputs = self.per_layer(idx, x) if self.config.d_per_layer_input is not None else None  # (B, T, n_layers, d)
+        caches = forward_caches(self) if cache is None else cache.layers  # shared K/V pass between layers (Gemma 4)
         for i, block in enumerate(self.blocks):
-            x = block(x, None if cache is None else cache.layers[i], attention_mask, positions)
+            x = block(x, caches[i], attention_mask, positions, per_layer_input=None if inputs is None else inputs[:, :, i])
         if last_only:
             x = x[:, -1:, :]  # (B, T, d_model) -> (B, 1, d_model)
         logits = self.lm_head(self.ln_f(x))  # (B, T, d_model) -> (B, T, vocab_size)
@@ -257,9 +281,10 @@ class Decoder(nn.Module):
         """
         idx = self.check_idx(idx)
         x = self.embed(idx)
+        inputs = self.per_layer(idx, x) if self.config.d_per_layer_input is not None else None
         weights = []
-        for block in self.blocks:
-            x, w = block(x, return_weights=True)
+        for i, (block, cache) in enumerate(zip(self.blocks, forward_caches(self))):
+            x, w = block(x, cache, return_weights=True, per_layer_input=None if inputs is None else inputs[:, :, i])
             weights.append(w)
         return torch.stack(weights)  # n_layers x (B, n_heads, T, T) -> (n_layers, B, n_heads, T, T)
 

@@ -117,9 +117,11 @@ def _check_config(config: GPTConfig, source_config: GPTConfig | None) -> None:
     layout = {"attention": "mha", "bias": True, "position": "learned", "norm": "layernorm", "norm_eps": _LAYER_NORM_EPS,
               "norm_placement": "pre", "feedforward": "gelu", "d_ff": 4 * config.d_model,
               "head_dim": config.d_model // config.n_heads, "qk_norm": False, "tie_embeddings": True,
-              "layer_types": ("full_attention",) * config.n_layers, "attn_softcap": None, "attention_scale": None,
-              "scale_embeddings": False, "logit_softcap": None, "attention_sinks": False,
-              "attn_temperature_tuning": False}
+              "layer_types": ("full_attention",) * config.n_layers, "attn_softcap": None}
+    # every other choice (chapters 16-20's fields) as a GPT of these sizes has it by default
+    free = {*_MATCHED_FIELDS, *layout, "dropout", "gelu_approximate", "attn_fn"}  # attn_fn: how, not what
+    default = GPTConfig(**{k: getattr(config, k) for k in _MATCHED_FIELDS})
+    layout |= {k: getattr(default, k) for k in config.to_dict() if k not in free}
     for name, value in layout.items():
         if getattr(config, name) != value:
             raise ValueError(f"config.{name}={getattr(config, name)!r}: GPT-2's layout has {name}={value!r}")

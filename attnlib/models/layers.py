@@ -13,6 +13,7 @@ from torch import nn
 
 from attnlib.attention.deltanet import GatedDeltaNet
 from attnlib.attention.differential import DifferentialAttention, lambda_init_schedule
+from attnlib.attention.kv_reuse import KVReuseAttention
 from attnlib.attention.latent import MultiHeadLatentAttention
 from attnlib.attention.linear import LinearAttention
 from attnlib.attention.mods import alibi, compose, softcap
@@ -30,15 +31,28 @@ def _multi_head(config: DecoderConfig, window: int | None, chunk: int | None, ro
                 layer_class: type[MultiHeadAttention] = MultiHeadAttention, **options) -> nn.Module:
     score_mod = compose(alibi(config.n_heads) if config.position == "alibi" else None,
                         softcap(config.attn_softcap) if config.attn_softcap is not None else None)
+    if reuses_kv(config):  # Gemma 4: the layer's own sizes; keys as values on full layers; or another layer's K/V
+        source, full = config.kv_source(layer), config.layer_types[layer] == "full_attention"
+        layer_class = KVReuseAttention
+        options = dict(options, kv_source=source, k_eq_v=config.attention_k_eq_v and full and source is None,
+                       value_norm=config.value_norm and source is None)
     return layer_class(
-        config.d_model, config.n_heads, config.n_kv_heads, block_size=config.block_size, dropout=config.dropout,
-        bias=config.attention_bias, attn_fn=config.attn_fn, head_dim=config.head_dim, sliding_window=window,
+        config.d_model, config.n_heads, config.n_kv_heads_of(layer), block_size=config.block_size,
+        dropout=config.dropout, bias=config.attention_bias, attn_fn=config.attn_fn, head_dim=config.head_dim_of(layer),
+        sliding_window=window,
         chunk_size=chunk, rope=rope, qk_norm=config.qk_norm and (config.qk_norm_type != "l2" or rope is not None),
         norm_eps=config.norm_eps, score_mod=score_mod, qk_norm_type=config.qk_norm_type,  # Llama 4: L2 on RoPE layers
         temperature=AttentionTemperature(config.floor_scale, config.attn_scale)
         if config.attn_temperature_tuning and rope is None else None,  # Llama 4: on its NoPE layers
         scale=config.attention_scale, sinks=config.attention_sinks, **options,
     )
+
+
+def reuses_kv(config: DecoderConfig) -> bool:
+    """Whether the config asks for Gemma 4's attention (:class:`~attnlib.attention.kv_reuse.KVReuseAttention`:
+    per-layer sizes, keys as values, the value norm, or another layer's keys and values)."""
+    return bool(config.num_kv_shared_layers or config.attention_k_eq_v or config.value_norm
+                or config.global_head_dim is not None or config.global_n_kv_heads is not None)
 
 
 def _talking_heads(config: DecoderConfig, window: int | None, chunk: int | None, rope, layer: int = 0) -> nn.Module:
