@@ -11,7 +11,7 @@
 * :func:`kv_cache_bytes` (:mod:`~attnlib.cache.memory`): the memory a cache will need, before allocating it.
 """
 from attnlib.cache.layer import LayerCache
-from attnlib.cache.memory import kv_cache_bytes, layer_windows
+from attnlib.cache.memory import kv_cache_bytes, layer_cache_lengths, layer_windows
 from attnlib.cache.model import KVCache
 from attnlib.cache.paged import OutOfPages, PageAllocator, PagedKVCache, PagedLayerCache
 from attnlib.cache.recurrent import RecurrentState
@@ -29,5 +29,6 @@ __all__ = [
     "RingLayerCache",
     "SinkLayerCache",
     "kv_cache_bytes",
+    "layer_cache_lengths",
     "layer_windows",
 ]
