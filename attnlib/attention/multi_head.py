@@ -17,7 +17,7 @@ import math
 import torch
 from torch import nn
 
-from attnlib._checks import divisible, positive_int, probability
+from attnlib._checks import divisible, finite_number, positive_int, probability
 from attnlib.attention.inputs import check_layer_inputs, visible_mask
 from attnlib.attention.mods import chunked, sliding_window
 from attnlib.attention.registry import ATTENTION_FUNCTIONS, get_attention_function
@@ -72,6 +72,7 @@ class MultiHeadAttention(nn.Module):
         score_mod: ``None`` or a FlexAttention-style ``(scores, b, h, q_idx, kv_idx) -> scores`` applied
             before the softmax (ALiBi, soft-capping: :mod:`attnlib.attention.mods`); not with ``"sdpa"``
             or ``"flash"``, which cannot modify scores.
+        scale: the factor on ``q · k``, a number > 0 (default ``1/√head_dim``; Gemma 3 and 4, chapter 20).
 
     Attributes:
         qkv: ``nn.Linear(d_model, (n_heads + 2 · n_kv_heads) · head_dim)``; rows ``[W_q; W_k; W_v]``
@@ -111,6 +112,7 @@ class MultiHeadAttention(nn.Module):
         qk_norm: bool = False,
         norm_eps: float = 1e-6,
         score_mod=None,
+        scale: float | None = None,
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -136,7 +138,7 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = d_model // n_heads if head_dim is None else head_dim
         self.block_size, self.dropout, self.causal = block_size, dropout, causal
         self.attn_fn, self.kv_sharing = attn_fn, kv_sharing
-        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.scale = 1.0 / math.sqrt(self.head_dim) if scale is None else finite_number("scale", scale, above=0)
         self.sliding_window, self.chunk_size = sliding_window, chunk_size
         self.mask_mod = self._rule(sliding_window, chunk_size)
         if score_mod is not None and not callable(score_mod):

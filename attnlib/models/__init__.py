@@ -5,13 +5,14 @@
   (chapter 13), Llama / Qwen3 / Mistral (chapter 16), mixed layer types (chapters 17, 18);
   their parts: :mod:`~attnlib.models.layers`;
 * loaders from ``transformers``: :func:`from_hf_gpt2` (chapter 14), :func:`from_hf_llama`,
-  :func:`from_hf_qwen3`, :func:`from_hf_mistral` (chapter 16);
+  :func:`from_hf_qwen3`, :func:`from_hf_mistral` (chapter 16), :func:`from_hf_gemma3` (chapter 20);
 * :class:`Transformer`: the encoder–decoder of Vaswani et al. (chapter 10);
 * :class:`TargetAttention`: DIN's target attention for recommenders (chapter 09).
 """
 from attnlib.models.config import DecoderConfig, GPTConfig
 from attnlib.models.decoder import GPT, Block, Decoder
 from attnlib.models.din import TargetAttention
+from attnlib.models.hf_gemma import from_hf_gemma3
 from attnlib.models.hf_gpt2 import from_hf_gpt2
 from attnlib.models.hf_llama import from_hf_llama, from_hf_mistral, from_hf_qwen3
 from attnlib.models.transformer import DecoderLayer, EncoderLayer, Transformer
@@ -26,6 +27,7 @@ __all__ = [
     "GPTConfig",
     "TargetAttention",
     "Transformer",
+    "from_hf_gemma3",
     "from_hf_gpt2",
     "from_hf_llama",
     "from_hf_mistral",

@@ -75,6 +75,11 @@ class DecoderConfig:
         attn_fn: the attention function's name (*derived*: ``"sdpa"``, or ``"eager"`` when scores are
             modified by ALiBi or soft-capping, which SDPA cannot do).
         attn_softcap: None or Gemma 2's cap on attention scores, ``cap · tanh(s / cap)``.
+        attention_scale: the factor on ``q · k`` (None: ``1/√head_dim``; Gemma 3: ``query_pre_attn_scalar**-0.5``,
+            Gemma 4: 1, its queries and keys being RMS-normalised). Chapter 20.
+        scale_embeddings: multiply the token embeddings by ``√d_model`` (rounded to their dtype; Gemma).
+        logit_softcap: None or the cap on the output logits, ``cap · tanh(z / cap)`` (Gemma 2's
+            ``final_logit_softcapping``).
 
     Raises:
         TypeError / ValueError: a size that is not a positive int, a name that is not one of its choices,
@@ -114,6 +119,9 @@ class DecoderConfig:
     dropout: float = 0.0
     attn_fn: str | None = None
     attn_softcap: float | None = None
+    attention_scale: float | None = None
+    scale_embeddings: bool = False
+    logit_softcap: float | None = None
     _derived: dict | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -214,6 +222,19 @@ class DecoderConfig:
     def mistral(cls, sliding_window: int, **fields) -> DecoderConfig:
         """A Mistral-style decoder: :meth:`llama` with a sliding window on every layer (chapter 17)."""
         return cls.llama(**{"sliding_window": sliding_window, **fields})
+
+    @classmethod
+    def gemma3(cls, sliding_window: int, **fields) -> DecoderConfig:
+        """A Gemma-3-style decoder (chapter 20): :meth:`llama` with five sliding-window layers to one global layer
+        (layers 6, 12, ... global), the sliding layers' RoPE base 10,000 and the global layers' 1,000,000, pre- and
+        post-norms around attention and feed-forward ("sandwich"), QK-norm, GeGLU, the embedding scaled by
+        √d_model, a tied output head, RMSNorm's eps 1e-6. ``fields`` set the sizes and replace any choice."""
+        n_layers = fields.get("n_layers", cls.n_layers)
+        types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n_layers))
+        gemma = dict(sliding_window=sliding_window, layer_types=types, rope_base=1_000_000.0, rope_local_base=10_000.0,
+                     norm_placement="sandwich", qk_norm=True, feedforward="geglu", scale_embeddings=True,
+                     tie_embeddings=True, norm_eps=1e-6)
+        return cls.llama(**{**gemma, **fields})
 
 
 #: Chapter 12's name for the configuration: a :class:`DecoderConfig` (whose defaults are the GPT's).

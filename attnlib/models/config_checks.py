@@ -42,7 +42,7 @@ def check_fields(config) -> None:
     for name, options in choices.items():
         if not isinstance(getattr(config, name), str) or getattr(config, name) not in options:
             raise ValueError(f"{name}={getattr(config, name)!r} is not one of {options}")
-    for name in ("qk_norm", "bias", "attention_bias", "mlp_bias", "tie_embeddings"):
+    for name in ("qk_norm", "bias", "attention_bias", "mlp_bias", "tie_embeddings", "scale_embeddings"):
         if getattr(config, name) is not None and not isinstance(getattr(config, name), bool):
             raise TypeError(f"{name} must be a bool; got {getattr(config, name)!r}")
     probability("dropout", config.dropout)
@@ -51,8 +51,10 @@ def check_fields(config) -> None:
     for name in ("rope_base", "rope_local_base"):
         if getattr(config, name) is not None:
             finite_number(name, getattr(config, name), above=1)
-    if config.attn_softcap is not None and finite_number("attn_softcap", config.attn_softcap) <= 0:
-        raise ValueError(f"attn_softcap must be a finite number > 0, got {config.attn_softcap!r}")
+    for name in ("attn_softcap", "attention_scale", "logit_softcap"):
+        value = getattr(config, name)
+        if value is not None and finite_number(name, value) <= 0:
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     if config.layer_types is not None:
         if isinstance(config.layer_types, str) or not hasattr(config.layer_types, "__iter__"):
             raise TypeError(f"layer_types must be a list of {LAYER_TYPES}, one per layer; got {config.layer_types!r}")
@@ -101,6 +103,9 @@ def check_combinations(config) -> None:
     if config.attention in ("talking_heads", "mla") and config.head_dim * config.n_heads != config.d_model:
         raise ValueError(f"head_dim={config.head_dim} with n_heads={config.n_heads} must make d_model={config.d_model} "
                          f"for attention={config.attention!r}")
+    if config.attention_scale is not None and config.attention in ("talking_heads", "mla"):
+        raise ValueError(f"attention_scale={config.attention_scale} is for attention='mha'/'gqa'/'mqa'; got "
+                         f"{config.attention!r}")
     if config.attention == "talking_heads" and config.score_mods():
         raise ValueError("attention='talking_heads' mixes raw scores itself: it takes no ALiBi or attn_softcap")
     if config.attn_fn not in ATTENTION_FUNCTIONS:

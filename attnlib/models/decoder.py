@@ -207,6 +207,8 @@ class Decoder(nn.Module):
         if last_only:
             x = x[:, -1:, :]  # (B, T, d_model) -> (B, 1, d_model)
         logits = self.lm_head(self.ln_f(x))  # (B, T, d_model) -> (B, T, vocab_size)
+        if self.config.logit_softcap is not None:  # Gemma 2: cap · tanh(z / cap)
+            logits = torch.tanh(logits / self.config.logit_softcap) * self.config.logit_softcap
         loss = None if targets is None else cross_entropy_loss(logits, targets)  # -100 = ignored; never NaN
         return logits, loss
 
@@ -229,6 +231,8 @@ class Decoder(nn.Module):
         ``(B, T)``), then dropout: ``(B, T, d_model)``. ``idx`` is not checked here; RoPE and ALiBi enter
         inside attention."""
         x = self.tok_emb(idx)
+        if self.config.scale_embeddings:  # Gemma: x √d_model, the factor rounded to the embedding's dtype
+            x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype, device=x.device)
         if self.config.position == "learned":
             pos = torch.arange(start, start + idx.shape[1], device=idx.device) if positions is None else positions
             x = x + self.pos_emb(pos)  # (B, T, d) + ((T, d) or (B, T, d))
