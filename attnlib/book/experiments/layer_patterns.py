@@ -145,7 +145,7 @@ def compare(patterns: tuple[str, ...], seeds: tuple[int, ...], training: dict | 
             if progress:
                 print(f"{name} (seed {seed}): {model.num_parameters():,} parameters", file=sys.stderr)
             entry = results["variants"].setdefault(name, {
-                "config": {k: PATTERNS[name][k] for k in PATTERNS[name]},
+                "config": json.loads(json.dumps(PATTERNS[name])),  # as the file stores it
                 "parameters": model.num_parameters(),
                 "kv_cache_bytes_per_token": model.kv_cache_bytes_per_token(torch.float32),
                 "cache_bytes_at_block_size": cache_bytes_at(model),
