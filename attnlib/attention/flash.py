@@ -21,6 +21,13 @@ dV_j`` is finished in one sweep over the queries, ``dQ_i`` is accumulated) and::
     dQ_i += dS_ij K_j · scale
     dK_j += dS_ijᵀ Q_i · scale
 
+Learned attention sinks (gpt-oss, chapter 20) add ``exp(sink_h)`` to every row's denominator, so ``L_i``
+includes it (the forward loop starts from the sink) and ``P_ij = exp(S_ij - L_i)`` stays right. The
+sink's column has no value (``dP_sink = 0``), so ``dS_ij`` keeps its form, and the sink's own gradient is
+that column's ``dS``, summed over the rows of its head::
+
+    d sink_h = Σ_(b,i) P_sink,i (0 - D_i) = -Σ_(b,i) exp(sink_h - L_i) D_i
+
 This is the algorithm, not the speed: the real kernels keep the blocks in on-chip SRAM,
 which plain PyTorch cannot do (each block here is a few separate kernel calls), so it is
 slower than torch's fused SDPA; what it shows is the memory and the arithmetic.
@@ -35,13 +42,20 @@ from torch.autograd.function import once_differentiable
 from attnlib._checks import positive_int
 from attnlib.attention.functions import check_attention_inputs
 from attnlib.attention.mods import ScoreMod
-from attnlib.attention.tiled import block_scores, fold_groups, tiled_forward
+from attnlib.attention.tiled import block_scores, fold_groups, fold_sinks, tiled_forward
 
 __all__ = ["flash_attention"]
 
 
+def _sink_grad(sinks: torch.Tensor, lse: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """``d sink = -Σ exp(sink - L) · D`` over each head's rows (see the module docstring), in ``sinks``' shape."""
+    p_sink = torch.exp(sinks.to(lse.dtype) - lse.unsqueeze(-1))  # (..., T_q, 1): the weight each row gave the sink
+    return (-(p_sink * D)).sum_to_size(sinks.shape).to(sinks.dtype)
+
+
 def _backward(q, k, v, out, lse, d_out, mask, is_causal, scale, tile_size):
-    """Algorithm 2 (FlashAttention-2 order): ``dQ, dK, dV`` with ``P`` recomputed from ``Q, K, L`` block by block."""
+    """Algorithm 2 (FlashAttention-2 order): ``dQ, dK, dV`` with ``P`` recomputed from ``Q, K, L`` block by block;
+    also ``D`` (for the sinks' gradient)."""
     work = lse.dtype
     T_q, T_k = q.shape[-2], k.shape[-2]
     offset = T_k - T_q
@@ -72,7 +86,7 @@ def _backward(q, k, v, out, lse, d_out, mask, is_causal, scale, tile_size):
         # Grouped K/V heads (or any broadcast batch dim): sum the contributions of every query head that shared them.
         dk[..., k0:k1, :] = dk_j.sum_to_size(dk[..., k0:k1, :].shape)
         dv[..., k0:k1, :] = dv_j.sum_to_size(dv[..., k0:k1, :].shape)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), D
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -80,22 +94,26 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     Inputs are in the broadcast layout of :func:`~attnlib.attention.tiled.fold_groups`;
     :func:`flash_attention` checks the arguments and groups the heads before calling
-    ``FlashAttentionFunction.apply(q, k, v, mask, is_causal, scale, tile_size)``.
+    ``FlashAttentionFunction.apply(q, k, v, mask, is_causal, scale, tile_size, sinks)`` (``sinks``: ``None``
+    or :func:`~attnlib.attention.tiled.fold_sinks`' layout).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, scale, tile_size):
-        out, lse = tiled_forward(q, k, v, mask, is_causal, scale, tile_size)
-        ctx.save_for_backward(q, k, v, out, lse)  # O(T): the inputs, the output and one float per query
+    def forward(ctx, q, k, v, mask, is_causal, scale, tile_size, sinks=None):
+        out, lse = tiled_forward(q, k, v, mask, is_causal, scale, tile_size, sinks=sinks)
+        # O(T): the inputs, the output and one float per query (and the sinks, one per head, when given)
+        ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
         ctx.mask, ctx.is_causal, ctx.scale, ctx.tile_size = mask, is_causal, scale, tile_size  # the caller's mask
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(q, k, v, out, lse, d_out, ctx.mask, ctx.is_causal, ctx.scale, ctx.tile_size)
-        return dq, dk, dv, None, None, None, None
+        q, k, v, out, lse, *sinks = ctx.saved_tensors
+        sinks = sinks[0] if sinks else None
+        dq, dk, dv, D = _backward(q, k, v, out, lse, d_out, ctx.mask, ctx.is_causal, ctx.scale, ctx.tile_size)
+        d_sinks = _sink_grad(sinks, lse, D) if sinks is not None and ctx.needs_input_grad[7] else None
+        return dq, dk, dv, None, None, None, None, d_sinks
 
 
 def flash_attention(
@@ -108,6 +126,7 @@ def flash_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     score_mod: ScoreMod | None = None,
+    sinks: torch.Tensor | None = None,
     tile_size: int = 64,
 ) -> tuple[torch.Tensor, None]:
     """Exact attention whose forward *and backward* work block by block, saving ``O(T)`` for the gradient
@@ -125,20 +144,22 @@ def flash_attention(
             the group's contributions). With ``is_causal``, key blocks no query of a block can see are
             skipped in both passes. A query that may see no key gets a zero output and zero
             gradients, never NaN.
+        sinks: optional float ``(n_heads,)`` learned sink logits (4-D inputs; chapter 20): ``L`` includes
+            them and they get their own gradient (module docstring).
         dropout_p: must be 0; score_mod: must be None (the backward pass here differentiates plain
             scores: use ``"eager"`` or ``"tiled"`` for a score modification).
         tile_size: queries and keys per block (positive int).
 
     Returns:
         ``(output (..., T_q, head_dim_v), None)`` in ``q``'s dtype (float16/bfloat16 are computed in
-        float32 block by block). Differentiable in ``q, k, v`` (first derivatives only).
+        float32 block by block). Differentiable in ``q, k, v`` and ``sinks`` (first derivatives only).
 
     Raises:
         TypeError / ValueError: see :func:`attnlib.attention.functions.check_attention_inputs` (e.g.
             ``is_causal`` with ``T_q > T_k``); ``tile_size`` not a positive int; ``dropout_p > 0``
             or a ``score_mod`` (named).
     """
-    check_attention_inputs(q, k, v, mask, is_causal, scale, dropout_p, score_mod)
+    check_attention_inputs(q, k, v, mask, is_causal, scale, dropout_p, score_mod, sinks)
     positive_int("tile_size", tile_size)
     if dropout_p:
         raise ValueError(f"dropout_p={dropout_p} is not supported by flash_attention; use attn_fn='eager' or 'sdpa'")
@@ -147,5 +168,5 @@ def flash_attention(
                          "scores); use attn_fn='eager' or 'tiled'")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     shape = (*q.shape[:-1], v.shape[-1])
-    out = FlashAttentionFunction.apply(*fold_groups(q, k, v, mask), is_causal, scale, tile_size)
+    out = FlashAttentionFunction.apply(*fold_groups(q, k, v, mask), is_causal, scale, tile_size, fold_sinks(sinks, k))
     return out.reshape(shape), None

@@ -4,7 +4,7 @@ Every attention function (these two, :func:`~attnlib.attention.tiled.tiled_atten
 :func:`~attnlib.attention.flash.flash_attention`) has the signature of Hugging Face's
 ``AttentionInterface`` functions::
 
-    fn(q, k, v, mask=None, *, is_causal=False, scale=None, dropout_p=0.0, score_mod=None)
+    fn(q, k, v, mask=None, *, is_causal=False, scale=None, dropout_p=0.0, score_mod=None, sinks=None)
         -> (output, weights or None)
 
 and :data:`attnlib.attention.ATTENTION_FUNCTIONS` picks one by name. :func:`attention`
@@ -22,6 +22,11 @@ Conventions (chapter 03):
   ``is_causal`` is top-left).
 * ``score_mod(scores, b, h, q_idx, kv_idx) -> scores``: FlexAttention's score
   modification, applied to the whole scores tensor with broadcastable index tensors.
+* ``sinks``: learned attention sinks (gpt-oss; transformers' ``s_aux``): a float ``(n_heads,)``, one
+  logit per query head that joins each row's softmax denominator and is then dropped, so that
+  ``weights = exp(s - m) / (Σ_j exp(s_j - m) + exp(sink - m))`` and a row may give less than all of its
+  weight to the keys (chapter 20). Not StreamingLLM's sink *tokens* (:class:`~attnlib.cache.SinkLayerCache`),
+  which keep the first keys in a windowed cache.
 * A padding mask (``attention_mask``) is ``(B, T_k)`` with ``True`` = a real token: the opposite
   of ``nn.MultiheadAttention``'s ``key_padding_mask``, where ``True`` means "ignore"; pass it as
   ``mask=attention_mask[:, None, None, :]``.
@@ -36,7 +41,7 @@ import torch.nn.functional as F
 from attnlib.attention.masks import combined_mask, future_mask, masked_softmax, modified_scores, score_indices
 from attnlib.attention.mods import ScoreMod
 
-__all__ = ["attention", "check_attention_inputs", "sdpa_attention"]
+__all__ = ["attention", "check_attention_inputs", "check_sinks", "sdpa_attention", "sink_softmax"]
 
 
 def _shape(t: object) -> object:
@@ -52,6 +57,7 @@ def check_attention_inputs(
     scale: object = None,
     dropout_p: object = 0.0,
     score_mod: object = None,
+    sinks: object = None,
 ) -> None:
     """Raise ``TypeError``/``ValueError`` unless the arguments of an attention function fit together.
 
@@ -61,7 +67,8 @@ def check_attention_inputs(
     and device, equal batch dims, ``n_heads`` a multiple of ``n_kv_heads`` (4-D inputs:
     grouped-query attention), ``T_k >= 1``; a boolean ``mask`` of the scores' rank whose
     dims are 1 or the scores'; ``is_causal`` a bool with ``T_q <= T_k``; ``scale`` finite
-    and positive; ``dropout_p`` in [0, 1); ``score_mod`` callable.
+    and positive; ``dropout_p`` in [0, 1); ``score_mod`` callable; ``sinks`` ``None`` or a floating point
+    tensor ``(n_heads,)`` on ``q``'s device, with 4-D ``q`` (its dtype may differ: it is cast).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -125,6 +132,48 @@ def check_attention_inputs(
             )
         if mask.device != q.device:
             raise ValueError(f"mask is on {mask.device} but q on {q.device}")
+    if sinks is not None:
+        check_sinks(sinks, q)
+
+
+def check_sinks(sinks: object, q: torch.Tensor) -> None:
+    """Raise ``TypeError``/``ValueError`` unless ``sinks`` is a floating point ``(n_heads,)`` tensor on ``q``'s
+    device for a 4-D ``q (B, n_heads, T_q, head_dim)`` (one learned sink logit per query head)."""
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a floating point torch.Tensor (n_heads,) or None; got {type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating point tensor (one logit per head); got dtype {sinks.dtype}")
+    if q.dim() != 4:
+        raise ValueError(f"sinks need 4-D q (B, n_heads, T_q, head_dim) to name the heads; got q {_shape(q)}")
+    if tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"sinks must have shape (n_heads,) = ({q.shape[1]},), one logit per query head; "
+                         f"got {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device} but q on {q.device}")
+
+
+def sink_softmax(scores: torch.Tensor, keep: torch.Tensor | None, sinks: torch.Tensor) -> torch.Tensor:
+    """The softmax with one learned sink logit per head in its denominator, the sink's own weight dropped.
+
+    ``weights = exp(s - m) / (Σ_j exp(s_j - m) + exp(sink_h - m))`` with ``m = max(max_j s_j, sink_h)``
+    (gpt-oss; transformers' ``s_aux``, which concatenates the sink as a last column, softmaxes and drops
+    it: the same numbers). Chapter 20. A row whose every key is hidden gives the sink all its weight:
+    zeros, never NaN. ``m`` is only a stabiliser (any value gives the same weights), so autograd does
+    not go through it.
+
+    Args:
+        scores: float ``(B, n_heads, T_q, T_k)``.
+        keep: ``None`` or a bool broadcastable to ``scores``, ``True`` = may attend.
+        sinks: float ``(n_heads,)``, cast to the scores' dtype.
+
+    Returns:
+        ``(B, n_heads, T_q, T_k)`` weights whose rows sum to ``1 - p_sink`` (< 1).
+    """
+    logits = scores if keep is None else scores.masked_fill(~keep, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1)  # (n_heads,) -> (1, n_heads, 1, 1)
+    m = torch.maximum(logits.amax(dim=-1, keepdim=True), sink).detach()  # finite: the sink is never hidden
+    e = torch.exp(logits - m)  # (B, H, T_q, T_k); 0 where hidden
+    return e / (e.sum(dim=-1, keepdim=True) + torch.exp(sink - m))
 
 
 def attention(
@@ -137,6 +186,7 @@ def attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     score_mod: ScoreMod | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention written out: ``softmax(q kᵀ · scale) v`` (the ``"eager"`` function).
 
@@ -155,16 +205,19 @@ def attention(
         scale: multiplies the scores; default ``1 / sqrt(head_dim)``.
         dropout_p: probability of zeroing a weight (whenever > 0: pass 0.0 at evaluation).
         score_mod: FlexAttention-style ``(scores, b, h, q_idx, kv_idx) -> scores`` before masking.
+        sinks: optional float ``(n_heads,)`` learned sink logits (4-D inputs): :func:`sink_softmax`.
 
     Returns:
         ``(output (..., T_q, head_dim_v), weights (..., T_q, T_k))``, the weights after
-        dropout. A query with nothing to attend to gets zero weights and a zero output, never NaN.
+        dropout (with ``sinks``, without the sink's column: a row sums to less than 1). A query with
+        nothing to attend to gets zero weights and a zero output, never NaN (with ``sinks``: the sink
+        takes all its weight).
 
     Raises:
         TypeError / ValueError: see :func:`check_attention_inputs`; a ``score_mod`` result that is not a floating
             point tensor of the scores' shape (:func:`~attnlib.attention.masks.modified_scores`).
     """
-    check_attention_inputs(q, k, v, mask, is_causal, scale, dropout_p, score_mod)
+    check_attention_inputs(q, k, v, mask, is_causal, scale, dropout_p, score_mod, sinks)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     T_q, T_k = q.shape[-2], k.shape[-2]
     group = q.shape[1] // k.shape[1] if q.dim() == 4 else 1
@@ -182,7 +235,11 @@ def attention(
         scores = modified_scores(score_mod, scores, *score_indices(scores.shape, scores.device))
         # A score_mod may hide keys too (-inf): a row it leaves empty gets zeros, as one a mask empties.
         seen = scores != float("-inf")
-        weights = masked_softmax(scores, seen if full is None else full & seen)
+        full = seen if full is None else full & seen
+    if sinks is not None:
+        weights = sink_softmax(scores, full, sinks)
+    elif score_mod is not None:
+        weights = masked_softmax(scores, full)
     elif full is None:
         weights = torch.softmax(scores, dim=-1)
     elif mask is None:  # causal only: no row is empty; fill the fresh scores in place
@@ -210,6 +267,7 @@ def sdpa_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     score_mod: ScoreMod | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, None]:
     """:func:`attention` through ``F.scaled_dot_product_attention`` (the ``"sdpa"`` function); no weights.
 
@@ -221,11 +279,15 @@ def sdpa_attention(
 
     Raises:
         TypeError / ValueError: see :func:`check_attention_inputs`; a ``score_mod``
-            (SDPA cannot modify scores: use the ``"eager"`` or ``"tiled"`` function).
+            (SDPA cannot modify scores: use the ``"eager"`` or ``"tiled"`` function); ``sinks`` (SDPA's
+            softmax has no extra term in its denominator: use ``"eager"``, ``"tiled"`` or ``"flash"``).
     """
-    check_attention_inputs(q, k, v, mask, is_causal, scale, dropout_p, score_mod)
+    check_attention_inputs(q, k, v, mask, is_causal, scale, dropout_p, score_mod, sinks)
     if score_mod is not None:
         raise ValueError("sdpa_attention cannot apply a score_mod; use attn_fn='eager' or 'tiled'")
+    if sinks is not None:
+        raise ValueError("sdpa_attention cannot add sinks to its softmax's denominator; use attn_fn='eager', "
+                         "'tiled' or 'flash'")
     T_q, T_k = q.shape[-2], k.shape[-2]
     gqa = q.dim() == 4 and q.shape[1] != k.shape[1]
     kwargs = dict(dropout_p=dropout_p, scale=scale, enable_gqa=gqa) if gqa else dict(dropout_p=dropout_p, scale=scale)

@@ -73,12 +73,16 @@ class MultiHeadAttention(nn.Module):
             before the softmax (ALiBi, soft-capping: :mod:`attnlib.attention.mods`); not with ``"sdpa"``
             or ``"flash"``, which cannot modify scores.
         scale: the factor on ``q · k``, a number > 0 (default ``1/√head_dim``; Gemma 3 and 4, chapter 20).
+        sinks: learned attention sinks (gpt-oss; chapter 20): one logit per query head joins the softmax's
+            denominator and is dropped, so a head may attend to nothing (not StreamingLLM's sink tokens,
+            :class:`~attnlib.cache.SinkLayerCache`); not with ``"sdpa"``, whose softmax cannot add it.
 
     Attributes:
         qkv: ``nn.Linear(d_model, (n_heads + 2 · n_kv_heads) · head_dim)``; rows ``[W_q; W_k; W_v]``
             (with ``n_kv_heads == n_heads``, ``nn.MultiheadAttention.in_proj_weight``'s layout).
         out_proj: ``nn.Linear(n_heads · head_dim, d_model)``.
         q_norm, k_norm: the QK-norm layers (``None`` without ``qk_norm``).
+        sinks: ``nn.Parameter`` ``(n_heads,)`` of sink logits, initialised to 0 (transformers' name), or ``None``.
         mask_mod: the layer's rule beyond causality (its window or chunk), or ``None``.
         cache_width: numbers a KV cache keeps per token for this layer, ``2 · n_kv_heads · head_dim``.
 
@@ -86,7 +90,7 @@ class MultiHeadAttention(nn.Module):
         TypeError / ValueError: a size that is not a positive int, ``d_model`` not divisible by
             ``n_heads`` or ``n_heads`` by ``n_kv_heads``, ``dropout`` outside [0, 1), an unknown
             ``attn_fn`` or ``kv_sharing``, a window or chunk on a non-causal layer or both at once, a
-            ``rope`` of another width, a ``score_mod`` with a function that cannot apply it; the message
+            ``rope`` of another width, a ``score_mod`` or ``sinks`` with a function that cannot apply it; the message
             names the value.
     """
 
@@ -113,6 +117,7 @@ class MultiHeadAttention(nn.Module):
         norm_eps: float = 1e-6,
         score_mod=None,
         scale: float | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -126,7 +131,7 @@ class MultiHeadAttention(nn.Module):
         if block_size is not None:
             positive_int("block_size", block_size)
         probability("dropout", dropout)
-        for name, value in (("bias", bias), ("causal", causal), ("qk_norm", qk_norm)):
+        for name, value in (("bias", bias), ("causal", causal), ("qk_norm", qk_norm), ("sinks", sinks)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool; got {value!r}")
         get_attention_function(attn_fn)  # an unknown name fails here, naming the known ones
@@ -146,6 +151,10 @@ class MultiHeadAttention(nn.Module):
         if score_mod is not None and attn_fn in ("sdpa", "flash"):
             raise ValueError(f"score_mod needs attn_fn='eager' or 'tiled' ({attn_fn!r} cannot modify scores)")
         self.score_mod = score_mod
+        if sinks and attn_fn == "sdpa":
+            raise ValueError("sinks=True needs attn_fn='eager', 'tiled' or 'flash' ('sdpa' cannot add a sink to "
+                             "its softmax's denominator)")
+        self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None  # exp(0): one key's worth of a zero score
         self.build_projections(bias)
         self.out_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)  # created last: init order as in nanoGPT
         self.resid_dropout = nn.Dropout(dropout)
@@ -252,7 +261,9 @@ class MultiHeadAttention(nn.Module):
             v = v.repeat_interleave(group, dim=1)
         fn = ATTENTION_FUNCTIONS["eager" if need_weights else self.attn_fn]
         dropout_p = self.dropout if self.training else 0.0
-        return fn(q, k, v, mask, is_causal=is_causal, scale=self.scale, dropout_p=dropout_p, score_mod=self.score_mod)
+        sinks = {} if self.sinks is None else {"sinks": self.sinks}  # learned sinks (gpt-oss), when the layer has them
+        return fn(q, k, v, mask, is_causal=is_causal, scale=self.scale, dropout_p=dropout_p, score_mod=self.score_mod,
+                  **sinks)
 
     def gate_output(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """What reaches the output projection from the heads ``y (B, n_heads, T, width)``: ``y`` itself

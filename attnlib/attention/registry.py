@@ -2,13 +2,14 @@
 
 Every entry has one signature::
 
-    fn(q, k, v, mask=None, *, is_causal=False, scale=None, dropout_p=0.0, score_mod=None)
+    fn(q, k, v, mask=None, *, is_causal=False, scale=None, dropout_p=0.0, score_mod=None, sinks=None)
         -> (output, weights or None)
 
 and refuses the same bad inputs (:func:`attnlib.attention.functions.check_attention_inputs`) before
 any kernel runs. A layer stores the name (``attn_fn="sdpa"``) and looks the function up when it
-attends. A function that cannot do what it is asked (SDPA and flash cannot modify scores; tiled
-and flash have no dropout) raises a ``ValueError`` naming the argument.
+attends. A function that cannot do what it is asked (SDPA and flash cannot modify scores; SDPA cannot
+add learned ``sinks`` to its softmax, chapter 20; tiled and flash have no dropout) raises a ``ValueError``
+naming the argument.
 """
 from __future__ import annotations
 

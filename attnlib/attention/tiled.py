@@ -16,7 +16,9 @@ tiles in on-chip memory, which plain PyTorch cannot do.
 
 :func:`tiled_forward` is the loop itself, shared with FlashAttention's forward pass
 (:mod:`attnlib.attention.flash`), which also keeps each row's log-sum-exp for its backward pass;
-:func:`online_softmax_update` is one step of it, the one chapter 15 derives.
+:func:`online_softmax_update` is one step of it, the one chapter 15 derives. Learned attention sinks
+(gpt-oss, chapter 20) only change where the loop starts: ``m = sink`` and ``denom = exp(sink - m) = 1``
+instead of ``-inf`` and 0, as if the sink were a first key whose value is 0.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from attnlib.attention.functions import check_attention_inputs
 from attnlib.attention.masks import modified_scores, score_indices
 from attnlib.attention.mods import ScoreMod
 
-__all__ = ["block_scores", "fold_groups", "online_softmax", "online_softmax_update", "tiled_attention", "tiled_forward"]
+__all__ = ["block_scores", "fold_groups", "fold_sinks", "online_softmax", "online_softmax_update", "tiled_attention", "tiled_forward"]
 
 
 def online_softmax_update(
@@ -123,6 +125,12 @@ def fold_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     return q, k, v, mask
 
 
+def fold_sinks(sinks: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor | None:
+    """Sink logits ``(n_heads,)`` in :func:`fold_groups`' layout: ``(n_kv_heads, group, 1, 1)`` (a view), which
+    broadcasts against a tile's running statistics ``(B, n_kv, group, Bq, 1)``; ``None`` stays ``None``."""
+    return None if sinks is None else sinks.view(k.shape[1], -1, 1, 1)
+
+
 def block_scores(q_i, k_j, q0: int, k0: int, offset: int, is_causal: bool, mask, score_mod=None, heads=None):
     """The scores of one tile, ``S_ij = (scale · Q_i) K_jᵀ``, modified and masked: the same in every pass.
 
@@ -145,12 +153,15 @@ def block_scores(q_i, k_j, q0: int, k0: int, offset: int, is_causal: bool, mask,
     return s
 
 
-def tiled_forward(q, k, v, mask, is_causal: bool, scale: float, tile_size: int, score_mod=None, heads=None):
+def tiled_forward(q, k, v, mask, is_causal: bool, scale: float, tile_size: int, score_mod=None, heads=None,
+                  sinks=None):
     """The tile loop (FlashAttention-2's order: query tiles outside): ``(O, L)``.
 
-    Inputs in the broadcast layout of :func:`fold_groups`. ``O (..., T_q, d_v)`` in ``q``'s dtype;
-    ``L (..., T_q)``, each row's log-sum-exp ``m + log(denom)`` in float32 (or wider), ``+inf`` for a
-    row that may see no key (whose output is 0). Half-precision tiles are computed in float32.
+    Inputs in the broadcast layout of :func:`fold_groups` (``sinks``: :func:`fold_sinks`'). ``O (..., T_q, d_v)``
+    in ``q``'s dtype; ``L (..., T_q)``, each row's log-sum-exp ``m + log(denom)`` in float32 (or wider),
+    ``+inf`` for a row that may see no key (whose output is 0). Half-precision tiles are computed in float32.
+    With ``sinks``, each row's statistics start from its head's sink (``m = sink``, ``denom = exp(sink - m)``),
+    so ``L`` includes it and a row that sees no key has ``L = sink`` and output 0.
     """
     work = torch.promote_types(q.dtype, torch.float32)
     T_q, T_k = q.shape[-2], k.shape[-2]
@@ -161,8 +172,13 @@ def tiled_forward(q, k, v, mask, is_causal: bool, scale: float, tile_size: int, 
     for q0 in range(0, T_q, tile_size):
         q1 = min(q0 + tile_size, T_q)
         q_i = q[..., q0:q1, :].to(work) * scale  # (..., Bq, d), scaled once per tile
-        m = torch.full((*batch, q1 - q0, 1), float("-inf"), dtype=work, device=q.device)  # running max
-        denom = torch.zeros_like(m)  # running Σ exp(S - m)
+        if sinks is None:
+            m = torch.full((*batch, q1 - q0, 1), float("-inf"), dtype=work, device=q.device)  # running max
+            denom = torch.zeros_like(m)  # running Σ exp(S - m)
+        else:  # the sink is read first, as a key of value 0: m = sink is a stabiliser only (no gradient)
+            sink = sinks.to(work).expand(*batch, q1 - q0, 1)
+            m = sink.detach()
+            denom = torch.exp(sink - m)  # = 1, with the sink's gradient
         acc = torch.zeros(*batch, q1 - q0, v.shape[-1], dtype=work, device=q.device)  # running Σ exp(S - m) V
         k_stop = min(T_k, offset + q1) if is_causal else T_k  # key tiles after the last query are never needed
         for k0 in range(0, k_stop, tile_size):
@@ -187,6 +203,7 @@ def tiled_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     score_mod: ScoreMod | None = None,
+    sinks: torch.Tensor | None = None,
     tile_size: int = 128,
 ) -> tuple[torch.Tensor, None]:
     """Exact scaled dot-product attention computed tile by tile with the online softmax (the ``"tiled"`` function).
@@ -200,8 +217,9 @@ def tiled_attention(
     same loop with FlashAttention's own backward pass instead. Chapter 15.
 
     Args:
-        q, k, v, mask, is_causal, scale, score_mod: as :func:`attnlib.attention.functions.attention`
-            (grouped K/V heads are read per group through broadcasting, a tile at a time).
+        q, k, v, mask, is_causal, scale, score_mod, sinks: as :func:`attnlib.attention.functions.attention`
+            (grouped K/V heads are read per group through broadcasting, a tile at a time; each sink
+            starts its heads' running max and denominator).
         dropout_p: must be 0 (the tiled function is the algorithm, not a training kernel).
         tile_size: queries and keys per tile (positive int). (Not ``block_size``, which is the
             context length everywhere else in the book.)
@@ -214,12 +232,13 @@ def tiled_attention(
         TypeError / ValueError: see :func:`attnlib.attention.functions.check_attention_inputs`; a
             ``tile_size`` that is not a positive int, or ``dropout_p > 0``.
     """
-    check_attention_inputs(q, k, v, mask, is_causal, scale, dropout_p, score_mod)
+    check_attention_inputs(q, k, v, mask, is_causal, scale, dropout_p, score_mod, sinks)
     positive_int("tile_size", tile_size)
     if dropout_p:
         raise ValueError(f"dropout_p={dropout_p} is not supported by tiled_attention; use attn_fn='eager' or 'sdpa'")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     shape = (*q.shape[:-1], v.shape[-1])
     folded = fold_groups(q, k, v, mask)
-    out, _ = tiled_forward(*folded, is_causal, scale, tile_size, score_mod, heads=shape[:-2])
+    out, _ = tiled_forward(*folded, is_causal, scale, tile_size, score_mod, heads=shape[:-2],
+                           sinks=fold_sinks(sinks, k))
     return out.reshape(shape), None

@@ -80,6 +80,8 @@ class DecoderConfig:
         scale_embeddings: multiply the token embeddings by ``√d_model`` (rounded to their dtype; Gemma).
         logit_softcap: None or the cap on the output logits, ``cap · tanh(z / cap)`` (Gemma 2's
             ``final_logit_softcapping``).
+        attention_sinks: a learned sink logit per head in every softmax layer's denominator (gpt-oss; chapter 20;
+            not StreamingLLM's sink tokens); the derived ``attn_fn`` is then ``"eager"`` (SDPA cannot add it).
 
     Raises:
         TypeError / ValueError: a size that is not a positive int, a name that is not one of its choices,
@@ -122,6 +124,7 @@ class DecoderConfig:
     attention_scale: float | None = None
     scale_embeddings: bool = False
     logit_softcap: float | None = None
+    attention_sinks: bool = False
     _derived: dict | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -157,7 +160,7 @@ class DecoderConfig:
             return 4 * self.d_model if self.feedforward == "gelu" else 8 * math.ceil(8 * self.d_model / 3 / 8)
         if name in ("attention_bias", "mlp_bias"):
             return self.bias
-        return "eager" if self.score_mods() else "sdpa"  # attn_fn
+        return "eager" if self.score_mods() or self.attention_sinks else "sdpa"  # attn_fn
 
     # ---------------------------------------------------------------- use
 

@@ -117,3 +117,15 @@ def check_combinations(config) -> None:
     if config.position == "rope":
         for base in {config.rope_base, config.rope_local_base or config.rope_base}:
             RotaryEmbedding(config.head_dim, base, config.rope_scaling, config.block_size)  # checks RoPE's settings
+    check_attention_sinks(config)
+
+
+def check_attention_sinks(config) -> None:
+    """``attention_sinks``: a bool; only for MHA / GQA / MQA layers, and never with ``attn_fn='sdpa'``."""
+    if not isinstance(config.attention_sinks, bool):
+        raise TypeError(f"attention_sinks must be a bool; got {config.attention_sinks!r}")
+    if config.attention_sinks and config.attention not in ("mha", "gqa", "mqa"):
+        raise ValueError(f"attention_sinks=True applies to attention='mha', 'gqa' or 'mqa'; got {config.attention!r}")
+    if config.attention_sinks and config.attn_fn == "sdpa":
+        raise ValueError("attention_sinks=True cannot run with attn_fn='sdpa' (its softmax has no sink term): "
+                         "use 'eager', 'tiled' or 'flash', or leave attn_fn None")

@@ -31,7 +31,7 @@ def _multi_head(config: DecoderConfig, window: int | None, chunk: int | None, ro
         config.d_model, config.n_heads, config.n_kv_heads, block_size=config.block_size, dropout=config.dropout,
         bias=config.attention_bias, attn_fn=config.attn_fn, head_dim=config.head_dim, sliding_window=window,
         chunk_size=chunk, rope=rope, qk_norm=config.qk_norm, norm_eps=config.norm_eps, score_mod=score_mod,
-        scale=config.attention_scale,
+        scale=config.attention_scale, sinks=config.attention_sinks,
     )
 
 
