@@ -13,7 +13,7 @@
 * :func:`kv_cache_bytes` (:mod:`~attnlib.cache.memory`): the memory a cache will need, before allocating it.
 """
 from attnlib.cache.layer import LayerCache
-from attnlib.cache.memory import kv_cache_bytes, layer_windows
+from attnlib.cache.memory import kv_cache_bytes, layer_cache_lengths, layer_windows
 from attnlib.cache.model import KVCache
 from attnlib.cache.paged import OutOfPages, PageAllocator, PagedKVCache, PagedLayerCache
 from attnlib.cache.recurrent import RecurrentState
@@ -35,5 +35,6 @@ __all__ = [
     "SinkLayerCache",
     "forward_caches",
     "kv_cache_bytes",
+    "layer_cache_lengths",
     "layer_windows",
 ]
