@@ -74,7 +74,14 @@ def sink_backward_in_place(scores, v, sink, d_out):
 
 
 # ---------------------------------------------------------------- 20.2
-def layer_types_for_budget(config, budget_bytes, dtype):
+def layer_types_for_budget(config, budget_bytes, dtype):  # the solution's way: k in closed form
+    n, T, w = config.n_layers, config.block_size, config.sliding_window
+    per_position = 2 * config.n_kv_heads * config.head_dim * dtype.itemsize
+    k = min(n, (budget_bytes - n * w * per_position) // ((T - w) * per_position))
+    return ["full_attention" if (i + 1) * k // n > i * k // n else "sliding_attention" for i in range(n)]
+
+
+def by_search(config, budget_bytes, dtype):  # another way: the largest k whose cache fits
     n, T = config.n_layers, config.block_size
     per_position = 2 * config.n_kv_heads * config.head_dim * dtype.itemsize
     full, sliding = T * per_position, min(T, config.sliding_window) * per_position
@@ -132,7 +139,14 @@ def test_the_solution_meets_the_budget_by_kv_cache_bytes():
 
 
 # ---------------------------------------------------------------- 20.3
-def chunked_mask(T_q, T_k, chunk_size):
+def chunked_mask(T_q, T_k, chunk_size):  # the solution's way: from each chunk's start to the query
+    p = torch.arange(T_k - T_q, T_k)
+    start = p - p % chunk_size
+    j = torch.arange(T_k)
+    return (j >= start[:, None]) & (j <= p[:, None])
+
+
+def chunked_by_numbers(T_q, T_k, chunk_size):  # another way: the same chunk number, causal
     q = torch.arange(T_k - T_q, T_k)[:, None]  # (T_q, 1): the queries' positions
     j = torch.arange(T_k)
     return (j <= q) & (j // chunk_size == q // chunk_size)
@@ -194,7 +208,7 @@ ANSWERS = {
         ],
     ),
     "20.2": Answers(
-        correct=[layer_types_for_budget, by_measuring],
+        correct=[layer_types_for_budget, by_search, by_measuring],
         wrong=[
             (lambda c, b, d: budget_with(c, b, d, window=c.block_size), "not the whole context"),
             (lambda c, b, d: budget_with(c, b, d, kv=1), "a key AND a value"),
@@ -213,7 +227,7 @@ ANSWERS = {
         ],
     ),
     "20.3": Answers(
-        correct=[chunked_mask, chunked_by_loop],
+        correct=[chunked_mask, chunked_by_numbers, chunked_by_loop],
         wrong=[
             (lambda T_q, T_k, C: masked(T_q, T_k, C, lambda q, j, C: (j <= q) & (q - j < C)), "sliding window"),
             (lambda T_q, T_k, C: masked(T_q, T_k, C, lambda q, j, C: (j <= q) & ((q + 1) // C == (j + 1) // C)),
