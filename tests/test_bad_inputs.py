@@ -234,8 +234,8 @@ CONFIG_CASES = {
     "dropout-nan": (dict(dropout=float("nan")), ValueError, "dropout=nan must be in [0, 1)"),
     "dropout-negative": (dict(dropout=-0.1), ValueError, "dropout=-0.1 must be in [0, 1)"),
     "dropout-str": (dict(dropout="0.1"), TypeError, "dropout must be a float; got '0.1'"),
-    "attention-unknown": (dict(attention="flash"), ValueError, "attention='flash' is not one of ('mha', 'talking_heads', 'mqa', 'gqa', 'mla')"),
-    "attention-none": (dict(attention=None), ValueError, "attention=None is not one of ('mha', 'talking_heads', 'mqa', 'gqa', 'mla')"),
+    "attention-unknown": (dict(attention="flash"), ValueError, "attention='flash' is not one of ('mha', 'talking_heads', 'mqa', 'gqa', 'mla', 'differential')"),
+    "attention-none": (dict(attention=None), ValueError, "attention=None is not one of ('mha', 'talking_heads', 'mqa', 'gqa', 'mla', 'differential')"),
     "bias-str": (dict(bias="yes"), TypeError, "bias must be a bool; got 'yes'"),
     "gelu-unknown": (dict(gelu_approximate="fast"), ValueError, "gelu_approximate='fast' is not one of ('none', 'tanh')"),
 }

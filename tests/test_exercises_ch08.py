@@ -522,7 +522,7 @@ def test_reference_answers_agree_with_the_library():
         attention="gqa",
     )
     tokens = torch.randint(0, 11, (3, 5), generator=torch.Generator().manual_seed(0))
-    for name in ATTENTION_LAYERS:
+    for name in set(ATTENTION_LAYERS) - {"differential"}:  # 08.3 asks for chapters 04-07's five
         # 08.3: the formula equals the bytes measured on a KVCache after a prefill of 5 tokens
         torch.manual_seed(0)
         sized = {"gqa": dict(n_kv_heads=2), "mla": dict(kv_latent_dim=6)}.get(name, {})

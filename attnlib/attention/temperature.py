@@ -16,7 +16,7 @@ from torch import nn
 from attnlib._checks import finite_number
 from attnlib.layers.norms import RMSNorm
 
-__all__ = ["QK_NORMS", "AttentionTemperature", "L2Norm", "qk_norm_layer", "qk_norms"]
+__all__ = ["QK_NORMS", "AttentionTemperature", "L2Norm", "check_temperature", "qk_norm_layer", "qk_norms"]
 
 #: QK-norm's kinds: ``"rmsnorm"`` (a learned weight per channel, Qwen3, Gemma 3) and ``"l2"`` (none, Llama 4).
 QK_NORMS = ("rmsnorm", "l2")
@@ -66,6 +66,14 @@ def qk_norms(qk_norm: bool, kind: str, width: int, eps: float) -> tuple[nn.Modul
     return (qk_norm_layer(kind, width, eps), qk_norm_layer(kind, width, eps)) if qk_norm else (None, None)
 
 
+def check_temperature(floor_scale: object, attn_scale: object) -> None:
+    """Raise TypeError / ValueError (named) unless ``floor_scale`` is a finite number > 0 and ``attn_scale`` >= 0."""
+    if finite_number("floor_scale", floor_scale) <= 0:
+        raise ValueError(f"floor_scale={floor_scale!r} must be > 0")
+    if finite_number("attn_scale", attn_scale) < 0:
+        raise ValueError(f"attn_scale={attn_scale!r} must be >= 0")
+
+
 class AttentionTemperature(nn.Module):
     """Scale queries by their position: ``q · (log(floor((p + 1) / floor_scale) + 1) · attn_scale + 1)``.
 
@@ -82,10 +90,7 @@ class AttentionTemperature(nn.Module):
 
     def __init__(self, floor_scale: float = 8192.0, attn_scale: float = 0.1) -> None:
         super().__init__()
-        if finite_number("floor_scale", floor_scale) <= 0:
-            raise ValueError(f"floor_scale={floor_scale!r} must be > 0")
-        if finite_number("attn_scale", attn_scale) < 0:
-            raise ValueError(f"attn_scale={attn_scale!r} must be >= 0")
+        check_temperature(floor_scale, attn_scale)
         self.floor_scale, self.attn_scale = float(floor_scale), float(attn_scale)
 
     def factors(self, positions: torch.Tensor) -> torch.Tensor:

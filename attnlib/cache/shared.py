@@ -92,6 +92,11 @@ class SharedLayerCache:
     def reset(self) -> None:
         self._length = 0
 
+    @property
+    def capacity(self) -> int:
+        """Slots it keeps: none (its source keeps the keys and values)."""
+        return 0
+
     def bytes_per_token(self) -> int:
         return 0
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 from attnlib._checks import divisible, finite_number, positive_int, probability
 from attnlib.attention.registry import ATTENTION_FUNCTIONS
-from attnlib.attention.temperature import QK_NORMS, AttentionTemperature
+from attnlib.attention.temperature import QK_NORMS, check_temperature
 from attnlib.positional.rotary import RotaryEmbedding
 
 __all__ = ["ATTENTION_VARIANTS", "FEEDFORWARD_KINDS", "LAYER_TYPES", "LINEAR_LAYERS", "NORMS", "NORM_PLACEMENTS",
@@ -159,7 +159,7 @@ def check_llama4_attention(config) -> None:
         raise ValueError(f"qk_norm_type={config.qk_norm_type!r} is not one of {QK_NORMS}")
     if not isinstance(config.attn_temperature_tuning, bool):
         raise TypeError(f"attn_temperature_tuning must be a bool; got {config.attn_temperature_tuning!r}")
-    AttentionTemperature(config.floor_scale, config.attn_scale)  # floor_scale > 0, attn_scale >= 0, named
+    check_temperature(config.floor_scale, config.attn_scale)  # floor_scale > 0, attn_scale >= 0, named
     softmax = [i for i, t in enumerate(config.layer_types) if t != "linear_attention"]
     l2, tuning = config.qk_norm_type == "l2", config.attn_temperature_tuning
     if l2 and not config.qk_norm:
