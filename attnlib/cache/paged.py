@@ -14,6 +14,11 @@ pages in place instead): the allocation scheme is the point, and attention throu
 is the same attention, so the logits equal the contiguous cache's (tests/test_paged_cache.py). A batch
 of sequences of different lengths comes back right-aligned (left-padded), the same layout as batched
 generation with padding, with :meth:`PagedKVCache.attention_mask` to go with it.
+
+``PagedKVCache(..., prefix_cache=True)`` shares the full pages of equal prefixes between sequences
+(:mod:`attnlib.cache.prefix`: :meth:`PagedKVCache.take_prefix`, :meth:`PagedKVCache.cache_prefix`); a write
+into a page that another sequence holds, or that is indexed, goes to a private copy first
+(:meth:`PagedKVCache.copy_page`, done by :meth:`PagedLayerCache.update`).
 """
 from __future__ import annotations
 
@@ -125,7 +130,8 @@ class PagedLayerCache(LayerCache):
             ValueError: always: forking a sequence needs copy-on-write pages (vLLM §4.4), left out here.
         """
         raise ValueError("a paged cache cannot reorder rows for beam search: forking a sequence needs "
-                         "copy-on-write pages (vLLM §4.4), which this teaching version leaves out")
+                         "copy-on-write pages (vLLM §4.4) for every beam, which this teaching version leaves out "
+                         "(it copies on write only the pages of shared prefixes)")
 
     def bytes_per_token(self) -> int:
         return sum(p[0, 0].numel() * p.element_size() for p in self.buffers)
