@@ -23,13 +23,26 @@ def test_flash_small(tmp_path):
 def test_serving_small(tmp_path):
     payload = main(["serving", "--small", "--out", str(tmp_path / "s.json")])
     by = {(r["comparison"], r["method"]): r for r in payload["rows"]}
-    assert {c for c, _ in by} == {"batching", "memory", "speculative"}
+    assert {c for c, _ in by} == {"batching", "memory", "speculative", "prefix cache", "chunked prefill"}
     assert all("same tokens: True" in r["note"] for r in payload["rows"] if r["comparison"] != "memory")
     assert payload["summary"]["memory"] > 1  # pages reserve less than preallocating block_size
     static, continuous = (r for r in payload["rows"] if r["comparison"] == "batching")
     assert static["method"].startswith("static batches of 3") and continuous["method"].startswith("continuous, 3")
     # a static batch waits for its longest request; continuous batching refills the freed slots at once
     assert continuous["decode_steps"] <= static["decode_steps"] < static["baseline_decode_steps"]
+    # the old rows keep their places (chapter 19 indexes them), the new ones follow
+    assert [r["comparison"] for r in payload["rows"]] == ["batching"] * 2 + ["memory", "speculative"] + \
+        ["prefix cache"] * 2 + ["chunked prefill"] * 2
+    tokens, _, stall, _ = payload["rows"][4:]
+    assert set(payload["summary"]) == {"batching", "memory", "speculative", "prefix_cache", "prefix_cache_time",
+                                       "chunked_prefill", "chunked_prefill_time"}
+    # 6 requests share a 32-token system prompt (2 pages of 16): the 5 after the first take both pages
+    b, m = tokens["baseline_stats"], tokens["method_stats"]
+    assert m["prefill_tokens_saved"] == 5 * 32 and tokens["baseline_value"] - tokens["method_value"] == 5 * 32
+    assert b["prompt_tokens"] == m["prompt_tokens"] == tokens["baseline_value"] and m["pages_held"] == 0
+    # chunks of 8: a running request never waits for more than a chunk and a decode step of 3 rows
+    assert stall["method_stats"]["longest_stall_tokens"] <= 8 + 3 < stall["baseline_stats"]["longest_stall_tokens"]
+    assert payload["settings"]["prefill_chunk"] == 8
 
 
 @pytest.mark.parametrize(
@@ -37,6 +50,7 @@ def test_serving_small(tmp_path):
     [
         (["serving", "--small", "--n-draft", "0"], "argument --n-draft: 0 must be >= 1"),
         (["serving", "--small", "--max-batch", "0"], "argument --max-batch: 0 must be >= 1"),
+        (["serving", "--small", "--prefill-chunk", "0"], "argument --prefill-chunk: 0 must be >= 1"),
         (["serving", "--small", "--draft-layers", "9"], "argument --draft-layers: 9 exceeds the target's 4 layers"),
     ],
 )
@@ -52,6 +66,8 @@ def test_serving_rows_refuses_a_bad_max_batch():
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match=f"max_batch={bad!r} must be an int >= 1"):
             serving_rows(SMALL, max_batch=bad)
+        with pytest.raises(ValueError, match=f"prefill_chunk={bad!r} must be an int >= 1"):
+            serving_rows(SMALL, prefill_chunk=bad)
 
 
 # ---------------------------------------------------------------- hf-llama

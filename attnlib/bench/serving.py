@@ -1,6 +1,7 @@
-"""``python -m attnlib.bench serving``: batching, paged memory and speculative decoding, each against its baseline.
+"""``python -m attnlib.bench serving``: batching, paged memory, speculative decoding, prefix caching and chunked
+prefill, each against its baseline.
 
-Chapter 19. Three comparisons in one run, each a ratio:
+Chapter 19. Five comparisons in one run, each a ratio:
 
 * **batching**: greedy tokens per second for a mix of requests, prompts of different lengths each
   asking for a different number of new tokens (from a quarter of ``new_tokens`` to twice it), one
@@ -16,7 +17,17 @@ Chapter 19. Three comparisons in one run, each a ratio:
   with the acceptance rate. The models are untrained (speed does not depend on the weights, acceptance
   does): the draft is the target's first ``draft_layers`` layers with its final norm and head
   (self-speculative decoding: Zhang et al. 2023, "Draft & Verify"), so that it agrees with the target
-  often enough to be worth measuring. Acceptance rates of a trained draft and target are chapter 19's.
+  often enough to be worth measuring. Acceptance rates of a trained draft and target are chapter 19's;
+* **prefix cache**: ``n_prompts`` requests sharing a system prompt of ``block_size / 2`` tokens (each with its own
+  suffix of up to ``block_size / 8``), served (:func:`~attnlib.serving.serve`) without and with
+  ``prefix_cache=True`` (SGLang's RadixAttention: Zheng et al. 2024): prompt tokens through the model, and time;
+* **chunked prefill**: ``max_batch - 1`` short requests decoding long outputs while long prompts (``5/8`` of
+  ``block_size``) join one at a time, served without and with ``prefill_chunk`` (Sarathi-Serve: Agrawal et al.
+  2024): the longest wait of a running request between two of its tokens (median over the timed runs), and time.
+
+The rows keep their order (batching, batching, memory, speculative, then the new ones), so readers that index
+them (chapter 19) still work; ``summary`` keeps its three keys and adds ``prefix_cache``, ``prefix_cache_time``,
+``chunked_prefill`` and ``chunked_prefill_time`` (each row's ratio).
 """
 from __future__ import annotations
 
@@ -27,6 +38,7 @@ from torch import nn
 
 from attnlib.bench._common import Command, format_table, resolve_device, time_calls
 from attnlib.bench._common import threads as using_threads
+from attnlib.bench._serving_prefill import prefill_rows
 from attnlib.generation import speculative_generate
 from attnlib.models import GPT, GPTConfig
 from attnlib.serving import cache_memory, left_pad, request_lengths, serve
@@ -57,7 +69,7 @@ def truncated(model: GPT, n_layers: int) -> GPT:
 def serving_rows(config: GPTConfig | None = None, n_prompts: int = 8, new_tokens: int = 32, draft_layers: int = 1,
                  n_draft: int = 4, page_size: int = 16, n_requests: int = 200, repeats: int = 3, seed: int = 0,
                  device: str | torch.device | None = None, threads: int | None = None,
-                 max_batch: int = 4) -> list[dict]:
+                 max_batch: int = 4, prefill_chunk: int = 16) -> list[dict]:
     """Measure the three comparisons (see the module's docstring).
 
     Args:
@@ -74,17 +86,24 @@ def serving_rows(config: GPTConfig | None = None, n_prompts: int = 8, new_tokens
         seed: weights, prompts and request lengths.
         device: where to run (``None``: :func:`attnlib.device`).
         threads: ``torch.set_num_threads`` for the run.
+        prefill_chunk: prompt tokens per scheduler step in the chunked-prefill comparison.
 
     Returns:
         Dicts with ``comparison, baseline, method, unit, baseline_value, method_value, ratio, note``
         (``ratio`` = method / baseline for speed, baseline / method for memory: above 1 is better);
-        the batching rows also have ``decode_steps`` (the method's) and ``baseline_decode_steps``.
+        the batching rows also have ``decode_steps`` (the method's) and ``baseline_decode_steps``; the prefix-cache
+        and chunked-prefill rows ``baseline_stats`` and ``method_stats`` (``serve``'s stats of one run each).
+
+    Raises:
+        ValueError: ``max_batch`` or ``prefill_chunk`` not an int >= 1.
     """
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise ValueError(f"max_batch={max_batch!r} must be an int >= 1")
+    for name, value, least in (("max_batch", max_batch, 1), ("prefill_chunk", prefill_chunk, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name}={value!r} must be an int >= {least}")
     with using_threads(threads):
-        return _rows(config or TARGET, n_prompts, new_tokens, draft_layers, n_draft, page_size, n_requests, repeats,
-                     seed, resolve_device(device), max_batch)
+        rows, target = _rows(config or TARGET, n_prompts, new_tokens, draft_layers, n_draft, page_size, n_requests,
+                             repeats, seed, resolve_device(device), max_batch)
+        return rows + prefill_rows(target, n_prompts, new_tokens, page_size, repeats, seed, max_batch, prefill_chunk)
 
 
 def _batching_rows(target, config, n_prompts, new_tokens, page_size, repeats, g, device, max_batch):
@@ -164,7 +183,7 @@ def _rows(config, n_prompts, new_tokens, draft_layers, n_draft, page_size, n_req
                      note=f"acceptance {stats['acceptance_rate']:.0%}, {stats['tokens_per_target_call']:.2f} tokens/target "
                           f"pass; same tokens: {torch.equal(outputs['plain'], outputs['spec'])}",
                      acceptance_rate=stats["acceptance_rate"], tokens_per_target_call=stats["tokens_per_target_call"]))
-    return rows
+    return rows, target
 
 
 COLUMNS = [
@@ -189,7 +208,8 @@ def format_serving(rows: list[dict], settings: dict | None = None) -> str:
                      f"{settings.get('n_prompts')} requests, {settings.get('max_batch')} at once; speculative: "
                      f"{settings.get('new_tokens')} greedy tokens; median of {settings.get('repeats')} runs.")
     parts.append("ratio: method/baseline speed, or baseline/method memory (above 1: the method wins). The draft is the "
-                 "target's first layers (self-speculative); a trained pair's acceptance is chapter 19's.")
+                 "target's first layers (self-speculative); a trained pair's acceptance is chapter 19's. Prefix cache "
+                 "and chunked prefill: serve without and with the option, greedy (same tokens: checked).")
     parts.append(format_table(rows, COLUMNS))
     return "\n".join(parts)
 
@@ -199,14 +219,17 @@ def _add_arguments(parser) -> None:
                                 ("--draft-layers", 1, "layers of the self-speculative draft"),
                                 ("--n-draft", 4, "tokens drafted per target pass"), ("--page-size", 16, "positions a page"),
                                 ("--requests", 200, "request lengths in the memory comparison"),
-                                ("--max-batch", 4, "requests decoding together (static and continuous batching)")):
+                                ("--max-batch", 4, "requests decoding together (static and continuous batching)"),
+                                ("--prefill-chunk", 16, "prompt tokens per scheduler step (chunked prefill)")):
         parser.add_argument(flag, type=int, default=None, help=f"{what} (default {default}; smaller with --small)")
     parser.add_argument("--seed", type=int, default=0)
 
 
 def _check(parser, args) -> None:
-    small = dict(prompts=6, tokens=16, draft_layers=1, n_draft=4, page_size=16, requests=200, max_batch=3)
-    full = dict(prompts=8, tokens=32, draft_layers=1, n_draft=4, page_size=16, requests=200, max_batch=4)
+    small = dict(prompts=6, tokens=16, draft_layers=1, n_draft=4, page_size=16, requests=200, max_batch=3,
+                 prefill_chunk=8)
+    full = dict(prompts=8, tokens=32, draft_layers=1, n_draft=4, page_size=16, requests=200, max_batch=4,
+                prefill_chunk=16)
     for key, default in (small if args.small else full).items():
         if getattr(args, key) is None:
             setattr(args, key, default)
@@ -220,11 +243,16 @@ def _check(parser, args) -> None:
 def _run(args, device):
     settings = dict(config=args.config.to_dict(), n_prompts=args.prompts, new_tokens=args.tokens,
                     draft_layers=args.draft_layers, n_draft=args.n_draft, page_size=args.page_size,
-                    n_requests=args.requests, seed=args.seed, repeats=args.repeats, max_batch=args.max_batch)
+                    n_requests=args.requests, seed=args.seed, repeats=args.repeats, max_batch=args.max_batch,
+                    prefill_chunk=args.prefill_chunk)
     rows = serving_rows(args.config, n_prompts=args.prompts, new_tokens=args.tokens, draft_layers=args.draft_layers,
                         n_draft=args.n_draft, page_size=args.page_size, n_requests=args.requests,
-                        repeats=args.repeats, seed=args.seed, device=device, max_batch=args.max_batch)
-    summary = {row["comparison"]: row["ratio"] for row in rows}  # batching: continuous batching's ratio
+                        repeats=args.repeats, seed=args.seed, device=device, max_batch=args.max_batch,
+                        prefill_chunk=args.prefill_chunk)
+    summary = {row["comparison"]: row["ratio"] for row in rows[:4]}  # batching: continuous batching's ratio
+    for row in rows[4:]:  # prefix cache, prefix cache time, chunked prefill, chunked prefill time
+        key = row["comparison"].replace(" ", "_") + ("_time" if row["unit"] == "s" else "")
+        summary[key] = row["ratio"]
     return settings, rows, format_serving(rows, settings), summary
 
 

@@ -5,7 +5,9 @@
   (:mod:`~attnlib.cache.windowed`): a window, StreamingLLM's sinks + a window, the current chunk
   (chapter 17);
 * :class:`PagedLayerCache`, :class:`PagedKVCache`, :class:`PageAllocator` (:mod:`~attnlib.cache.paged`):
-  vLLM's pages shared by many sequences (chapter 19);
+  vLLM's pages shared by many sequences (chapter 19); the free list and block tables in
+  :mod:`~attnlib.cache.allocator`; :class:`PrefixPageAllocator` (:mod:`~attnlib.cache.prefix`): the full pages of
+  equal prefixes shared between sequences (prefix caching, SGLang / vLLM; chapter 19);
 * :class:`RecurrentState` (:mod:`~attnlib.cache.recurrent`): a linear-attention layer's fixed state (chapter 18);
 * :class:`SharedLayerCache`, :class:`ForwardLayerCache` (:mod:`~attnlib.cache.shared`): a layer that attends
   with another layer's keys and values keeps none (cross-layer KV sharing, Gemma 4; chapter 20);
@@ -16,6 +18,7 @@ from attnlib.cache.layer import LayerCache
 from attnlib.cache.memory import kv_cache_bytes, layer_cache_lengths, layer_windows
 from attnlib.cache.model import KVCache
 from attnlib.cache.paged import OutOfPages, PageAllocator, PagedKVCache, PagedLayerCache
+from attnlib.cache.prefix import PrefixPageAllocator
 from attnlib.cache.recurrent import RecurrentState
 from attnlib.cache.shared import ForwardLayerCache, SharedLayerCache, forward_caches
 from attnlib.cache.windowed import ChunkedLayerCache, RingLayerCache, SinkLayerCache
@@ -29,6 +32,7 @@ __all__ = [
     "PageAllocator",
     "PagedKVCache",
     "PagedLayerCache",
+    "PrefixPageAllocator",
     "RecurrentState",
     "RingLayerCache",
     "SharedLayerCache",

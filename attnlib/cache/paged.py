@@ -14,126 +14,25 @@ pages in place instead): the allocation scheme is the point, and attention throu
 is the same attention, so the logits equal the contiguous cache's (tests/test_paged_cache.py). A batch
 of sequences of different lengths comes back right-aligned (left-padded), the same layout as batched
 generation with padding, with :meth:`PagedKVCache.attention_mask` to go with it.
+
+``PagedKVCache(..., prefix_cache=True)`` shares the full pages of equal prefixes between sequences
+(:mod:`attnlib.cache.prefix`: :meth:`PagedKVCache.take_prefix`, :meth:`PagedKVCache.cache_prefix`); a write
+into a page that another sequence holds, or that is indexed, goes to a private copy first
+(:meth:`PagedKVCache.copy_page`, done by :meth:`PagedLayerCache.update`).
 """
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 
 import torch
 
 from attnlib._checks import non_negative_int, positive_int
+from attnlib.cache.allocator import OutOfPages, PageAllocator
 from attnlib.cache.layer import LayerCache
 from attnlib.cache.model import KVCache
+from attnlib.cache.prefix import PrefixPageAllocator
 
 __all__ = ["OutOfPages", "PageAllocator", "PagedKVCache", "PagedLayerCache"]
-
-
-class OutOfPages(RuntimeError):
-    """The free list is empty: no page left for a sequence that needs one (a scheduler admits less)."""
-
-
-class PageAllocator:
-    """The free list and one block table per sequence: which pages each sequence holds.
-
-    Args:
-        n_pages: pages in the pool (shared by every sequence and every layer).
-        page_size: positions per page, an int >= 1.
-
-    Raises:
-        TypeError / ValueError: ``n_pages`` or ``page_size`` not an int >= 1 (named).
-    """
-
-    def __init__(self, n_pages: int, page_size: int) -> None:
-        positive_int("n_pages", n_pages)
-        positive_int("page_size", page_size)
-        self.n_pages, self.page_size = n_pages, page_size
-        self.free = list(range(n_pages - 1, -1, -1))  # a stack: pop() hands out page 0 first
-        self.tables: dict[int, list[int]] = {}  # sequence id -> block table (its pages, in order)
-        self._next_id = 0
-
-    def new_sequence(self) -> int:
-        """Register an empty sequence (no page yet); return its id."""
-        seq, self._next_id = self._next_id, self._next_id + 1
-        self.tables[seq] = []
-        return seq
-
-    def table(self, seq: int) -> list[int]:
-        """The block table of ``seq``. Raises ValueError for an unknown (or released) sequence."""
-        if seq not in self.tables:
-            raise ValueError(f"sequence {seq!r} is not in the cache (released, or never added)")
-        return self.tables[seq]
-
-    def pages_for(self, n_positions: int) -> int:
-        """Pages that ``n_positions`` positions occupy: ``ceil(n_positions / page_size)``."""
-        return math.ceil(n_positions / self.page_size)
-
-    def ensure(self, seq: int, n_positions: int) -> None:
-        """Give ``seq`` pages from the free list until it can hold ``n_positions`` positions.
-
-        Raises:
-            TypeError / ValueError: ``n_positions`` not an int >= 0; an unknown ``seq``.
-            OutOfPages: the free list ran out (the pages taken so far stay with ``seq``;
-                :meth:`PagedLayerCache.update` checks the whole batch first, so a forward pass takes none).
-        """
-        table = self.table(seq)
-        non_negative_int("n_positions", n_positions)
-        while len(table) < self.pages_for(n_positions):
-            if not self.free:
-                raise OutOfPages(f"no free page for sequence {seq} ({self.n_pages} pages of {self.page_size} "
-                                 f"positions, all in use)")
-            table.append(self.free.pop())
-
-    def release(self, seq: int) -> None:
-        """Return the pages of ``seq`` to the free list and forget it."""
-        self.free.extend(reversed(self.table(seq)))
-        del self.tables[seq]
-
-    def locate(self, seq: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Page and offset of each of ``positions`` (1-D int64) of ``seq``: ``(page ids, offsets)``.
-
-        Raises:
-            TypeError: ``positions`` not an integer tensor. ValueError: a position outside the pages ``seq``
-                holds (``[0, len(table) * page_size)``): negative indices would wrap around to another page.
-        """
-        table = torch.tensor(self.table(seq), dtype=torch.long)
-        if not isinstance(positions, torch.Tensor) or positions.dtype == torch.bool \
-                or positions.is_floating_point() or positions.is_complex():
-            raise TypeError(f"positions must be an integer tensor; got {getattr(positions, 'dtype', type(positions).__name__)}")
-        held = len(table) * self.page_size
-        if positions.numel() and not bool(((positions >= 0) & (positions < held)).all()):
-            raise ValueError(f"positions must lie in [0, {held}) (sequence {seq} holds {len(table)} pages of "
-                             f"{self.page_size}); got {positions.min().item()}..{positions.max().item()}")
-        return table[positions // self.page_size], positions % self.page_size
-
-    def slots(self, seqs: list[int], lengths: list[int], width: int,
-              device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where positions ``0 … lengths[b] - 1`` of each of ``seqs`` live, right-aligned in rows of ``width``.
-
-        Returns ``(slots, held)``, both ``(len(seqs), width)``: ``slots`` the flat index
-        ``page * page_size + offset`` into the pool viewed as ``(n_pages * page_size, …)`` (int64),
-        ``held`` bool, False in each row's left padding (whose slot is 0). One gather for the whole
-        batch, as :meth:`locate` gives one sequence's pages and offsets. The sequences must hold
-        their pages (:meth:`ensure`) and ``lengths[b] <= width``. The last answer is kept: every layer
-        of a forward pass asks the same (a sequence's first pages never change while it lives, and ids
-        are never reused).
-        """
-        key = (tuple(seqs), tuple(lengths), width, device)
-        if getattr(self, "_slots", (None,))[0] == key:
-            return self._slots[1]
-        tables = [self.table(seq) for seq in seqs]
-        most = max(len(table) for table in tables)
-        table = torch.tensor([t + [0] * (most - len(t)) for t in tables], dtype=torch.long, device=device)
-        n = torch.tensor(lengths, dtype=torch.long, device=device)
-        position = torch.arange(width, device=device)[None, :] - (width - n)[:, None]  # < 0: left padding
-        held = position >= 0
-        position = position.clamp(min=0)
-        slots = table.gather(1, position // self.page_size) * self.page_size + position % self.page_size
-        self._slots = (key, (slots.masked_fill(~held, 0), held))
-        return self._slots[1]
-
-    @property
-    def pages_used(self) -> int:
-        return self.n_pages - len(self.free)
 
 
 class PagedLayerCache(LayerCache):
@@ -169,11 +68,17 @@ class PagedLayerCache(LayerCache):
                              f"{new[0].shape[0]}")
         width = self.length + T_new
         self.check_room(width)
-        missing = sum(max(0, alloc.pages_for(self.lengths.get(s, 0) + T_new) - len(alloc.table(s))) for s in batch)
-        if missing > len(alloc.free):  # refused before any row is written: the cache stays consistent
-            raise OutOfPages(f"the batch needs {missing} more pages, {len(alloc.free)} free "
-                             f"({alloc.n_pages} pages of {alloc.page_size} positions)")
         starts = [self.lengths.get(seq, 0) for seq in batch]
+        shared = [(seq, i) for seq, start in zip(batch, starts)  # pages written into that others hold: copied first
+                  for i in range(start // alloc.page_size, min(alloc.pages_for(start + T_new), len(alloc.table(seq))))
+                  if alloc.must_copy(alloc.table(seq)[i])]
+        missing = len(shared) + sum(max(0, alloc.pages_for(start + T_new) - len(alloc.table(s)))
+                                    for s, start in zip(batch, starts))
+        if missing > alloc.available:  # refused before any row is written: the cache stays consistent
+            raise OutOfPages(f"the batch needs {missing} more pages, {alloc.available} free "
+                             f"({alloc.n_pages} pages of {alloc.page_size} positions)")
+        for seq, i in shared:
+            self.owner.copy_page(seq, i)
         for seq, start in zip(batch, starts):
             alloc.ensure(seq, start + T_new)  # the first layer takes the pages; the others find them
         slots, held = alloc.slots(batch, [start + T_new for start in starts], width, new[0].device)  # (B, width)
@@ -225,7 +130,8 @@ class PagedLayerCache(LayerCache):
             ValueError: always: forking a sequence needs copy-on-write pages (vLLM §4.4), left out here.
         """
         raise ValueError("a paged cache cannot reorder rows for beam search: forking a sequence needs "
-                         "copy-on-write pages (vLLM §4.4), which this teaching version leaves out")
+                         "copy-on-write pages (vLLM §4.4) for every beam, which this teaching version leaves out "
+                         "(it copies on write only the pages of shared prefixes)")
 
     def bytes_per_token(self) -> int:
         return sum(p[0, 0].numel() * p.element_size() for p in self.buffers)
@@ -244,19 +150,25 @@ class PagedKVCache(KVCache):
         block_size: positions a sequence may reach (the model's ``block_size``).
         n_pages: pages in the pool.
         page_size: positions per page, an int >= 1 (vLLM's default block size is 16).
+        prefix_cache: share the full pages of equal prefixes between sequences (a
+            :class:`~attnlib.cache.prefix.PrefixPageAllocator`; :meth:`take_prefix`, :meth:`cache_prefix`).
 
     Raises:
-        TypeError / ValueError: a size that is not an int >= 1 (``page_size=0`` is named).
+        TypeError / ValueError: a size that is not an int >= 1 (``page_size=0`` is named); ``prefix_cache``
+            not a bool.
     """
 
-    def __init__(self, n_layers: int, block_size: int, n_pages: int, page_size: int) -> None:
+    def __init__(self, n_layers: int, block_size: int, n_pages: int, page_size: int, *,
+                 prefix_cache: bool = False) -> None:
         positive_int("n_layers", n_layers)
-        self.allocator = PageAllocator(n_pages, page_size)
+        if not isinstance(prefix_cache, bool):
+            raise TypeError(f"prefix_cache must be a bool; got {prefix_cache!r} ({type(prefix_cache).__name__})")
+        self.allocator = (PrefixPageAllocator if prefix_cache else PageAllocator)(n_pages, page_size)
         self.batch: list[int] = []  # the sequence ids of the current rows, in order
         super().__init__([PagedLayerCache(block_size, self) for _ in range(n_layers)])
 
     @classmethod
-    def for_model(cls, model, n_pages: int, page_size: int = 16) -> PagedKVCache:
+    def for_model(cls, model, n_pages: int, page_size: int = 16, *, prefix_cache: bool = False) -> PagedKVCache:
         """An empty paged cache for ``model``; windowed layers keep every position (the window is a mask).
 
         Raises:
@@ -270,11 +182,54 @@ class PagedKVCache(KVCache):
             if block.attn.cache_width == 0:
                 raise ValueError(f"layer {i} ({type(block.attn).__name__}) keeps a recurrent state, not keys and "
                                  "values: a paged cache cannot serve it")
-        return cls(model.config.n_layers, model.config.block_size, n_pages, page_size)
+        return cls(model.config.n_layers, model.config.block_size, n_pages, page_size, prefix_cache=prefix_cache)
 
     def add_sequence(self) -> int:
         """A new, empty sequence (no page taken yet); returns its id."""
         return self.allocator.new_sequence()
+
+    def take_prefix(self, seq: int, tokens: Sequence[int]) -> int:
+        """Prefix caching: the new, empty sequence ``seq``, whose prompt is ``tokens`` (ids: a list or 1-D tensor), takes
+        the cached pages of its longest prefix of full pages; returns the positions now cached for it, at most
+        ``len(tokens) - 1`` (the last token must go through the model for the logits: when the whole prompt is
+        cached, its last page is copied before that write). Feed ``tokens[returned:]`` next.
+
+        Raises:
+            ValueError: the cache was made without ``prefix_cache=True``; ``seq`` not empty; ``tokens`` empty.
+        """
+        if not isinstance(self.allocator, PrefixPageAllocator):
+            raise ValueError("take_prefix needs a cache made with prefix_cache=True")
+        if self.sequence_length(seq) or not len(tokens):
+            raise ValueError(f"take_prefix needs an empty sequence and a non-empty prompt; sequence {seq} holds "
+                             f"{self.sequence_length(seq)} positions, the prompt {len(tokens)} tokens")
+        tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        pages = self.allocator.lookup(tokens)
+        self.allocator.share(seq, pages)
+        cached = min(len(pages) * self.allocator.page_size, len(tokens) - 1)
+        for layer in self.layers:
+            layer.lengths[seq] = cached
+        return cached
+
+    def cache_prefix(self, seq: int, tokens: Sequence[int]) -> int:
+        """Prefix caching: index the full pages of ``seq``, whose cached positions hold ``tokens``; returns the
+        pages newly indexed (:meth:`attnlib.cache.prefix.PrefixPageAllocator.register`).
+
+        Raises:
+            ValueError: not a prefix cache; ``len(tokens)`` is not the sequence's cached length.
+        """
+        if not isinstance(self.allocator, PrefixPageAllocator):
+            raise ValueError("cache_prefix needs a cache made with prefix_cache=True")
+        if len(tokens) != self.sequence_length(seq):
+            raise ValueError(f"tokens must be the ids of the {self.sequence_length(seq)} positions cached for "
+                             f"sequence {seq}; got {len(tokens)}")
+        return self.allocator.register(seq, tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens))
+
+    def copy_page(self, seq: int, i: int) -> None:
+        """Copy-on-write: page ``i`` of ``seq``'s block table becomes a private copy, in every layer."""
+        old, new = self.allocator.replace(seq, i)
+        for layer in self.layers:
+            for pool in layer.buffers:
+                pool[new] = pool[old]
 
     def select(self, seqs: list[int]) -> PagedKVCache:
         """Make ``seqs`` the rows of the next forward passes, in this order; returns the cache.

@@ -11,23 +11,25 @@ gives its pages back at once. Without pages, a joining request would need a cont
 ``block_size`` positions free, or the running batch's caches copied into a new layout.
 
 Admission is conservative: a request joins only if the free pages cover the most it can still need
-(prompt + ``max_new_tokens``) on top of what the running requests may still take, so nothing is
-ever evicted (vLLM instead admits greedily and preempts: swapping or recomputing a victim's pages).
+(prompt + ``max_new_tokens``) on top of what the running requests may still take, so no running request
+is ever preempted (vLLM instead admits greedily and preempts: swapping or recomputing a victim's pages).
+Two options of :func:`serve`, both in :mod:`attnlib.serving.scheduler`: ``prefix_cache`` shares the pages of
+equal prompt prefixes between requests (SGLang's RadixAttention; only unheld *cached* pages are evicted), and
+``prefill_chunk`` lets a long prompt in a chunk per step (Sarathi-Serve), so it stalls the running requests less.
 """
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Sequence
 
 import torch
 
 from attnlib._checks import generator_or_none, positive_int, token_ids
 from attnlib.cache.paged import PageAllocator, PagedKVCache
-from attnlib.generation.checks import check_decoding, decoder_vocab_size, stop_mask
+from attnlib.generation.checks import check_decoding, decoder_vocab_size
 from attnlib.generation.sampling import sample_next_token
-from attnlib.generation.step import step
 from attnlib.serving.padding import _as_ids
+from attnlib.serving.scheduler import run_schedule
 
 __all__ = ["cache_memory", "request_lengths", "serve"]
 
@@ -88,7 +90,8 @@ def cache_memory(lengths: Sequence[int], block_size: int, page_size: int, bytes_
 @torch.no_grad()
 def serve(model, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int | Sequence[int], *,
           max_batch: int = 4, page_size: int = 16, n_pages: int | None = None, temperature: float = 0.0,
-          generator: torch.Generator | None = None, stop_tokens=None) -> tuple[list[torch.Tensor], list[dict]]:
+          generator: torch.Generator | None = None, stop_tokens=None, prefix_cache: bool = False,
+          prefill_chunk: int | None = None, return_stats: bool = False) -> tuple:
     """Generate for every prompt with continuous batching on a paged cache.
 
     Args:
@@ -100,17 +103,36 @@ def serve(model, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens
         page_size, n_pages: the pool (default: enough pages for ``max_batch`` requests of ``block_size``).
         temperature, generator: as :meth:`attnlib.GPT.generate` (``0`` = greedy).
         stop_tokens: ids that end a request early (the stop token is kept).
+        prefix_cache: share the cached pages of equal prompt prefixes between requests (RadixAttention: Zheng
+            et al. 2024, SGLang, §3; :mod:`attnlib.cache.prefix`): a request prefills only what follows its
+            longest cached prefix of full pages. Cached pages no request holds are evicted, least recently used
+            first, when the pool runs out.
+        prefill_chunk: ``None``: each prompt goes through the model whole when its request is admitted;
+            an int >= 1: at most this many prompt *tokens* per scheduler step, one chunk per step, between
+            the running requests' decode steps (Sarathi-Serve: Agrawal et al. 2024, §4;
+            :mod:`attnlib.serving.scheduler` says how this differs from it).
+        return_stats: also return the stats dict.
 
     Returns:
-        ``(outputs, trace)``: ``outputs[i]`` 1-D int64, prompt ``i`` and its new tokens (greedily, exactly what
-        ``model.generate`` gives it alone); ``trace``: one dict per decode step with ``"running"`` (the
-        request indices in the batch), ``"joined"``, ``"left"`` and ``"pages_used"``.
+        ``(outputs, trace)``, or ``(outputs, trace, stats)`` with ``return_stats``: ``outputs[i]`` 1-D int64,
+        prompt ``i`` and its new tokens (greedily, exactly what ``model.generate`` gives it alone, with or
+        without ``prefix_cache`` and ``prefill_chunk``); ``trace``: one dict per decode step with ``"running"``
+        (the request indices in the batch), ``"joined"``, ``"left"``, ``"pages_used"`` (pages off the free
+        list, evictable cached pages included) and ``"prefilled"`` (prompt tokens through the model in that
+        step); ``stats``: ``prompt_tokens``, ``prefill_tokens`` (prompt tokens through the model),
+        ``prefill_tokens_saved`` (taken from the prefix cache; the two add up to ``prompt_tokens``),
+        ``model_calls``, ``model_tokens`` (every token through the model, decode included),
+        ``longest_stall_s`` / ``longest_stall_calls`` / ``longest_stall_tokens`` (the longest wait of a running
+        request between two of its tokens: in seconds, in model calls and in tokens through the model
+        meanwhile), and at the end ``pages_held`` (pages sequences still hold: 0), ``pages_cached``,
+        ``evictions``, ``copies`` (copy-on-write).
 
     Raises:
         TypeError / ValueError: not a decoder; no prompts; a bad prompt (named by index: empty, not 1-D, not
             integer ids, outside the vocabulary, not on the model's device); ``max_new_tokens`` not an int >= 1
             or a list of them, one per prompt; a bad pool size, temperature, stop token or generator; a request
-            longer than ``block_size`` or than the whole pool. All before any forward pass.
+            longer than ``block_size`` or than the whole pool; ``prefix_cache`` or ``return_stats`` not a bool,
+            ``prefill_chunk`` neither ``None`` nor an int >= 1. All before any forward pass.
     """
     vocab = decoder_vocab_size(model)
     block = model.config.block_size
@@ -118,6 +140,11 @@ def serve(model, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens
     positive_int("max_batch", max_batch)
     positive_int("page_size", page_size)
     generator_or_none(generator)
+    for name, flag in (("prefix_cache", prefix_cache), ("return_stats", return_stats)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool; got {flag!r} ({type(flag).__name__})")
+    if prefill_chunk is not None:
+        positive_int("prefill_chunk", prefill_chunk)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, torch.Tensor)) or len(prompts) == 0:
         raise ValueError(f"prompts must be a non-empty list of prompts; got {type(prompts).__name__}")
     device = next(model.parameters()).device
@@ -140,45 +167,14 @@ def serve(model, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens
         if p.numel() == 0 or p.numel() + n > block:
             raise ValueError(f"request {i}: prompt of {p.numel()} tokens + {n} new must be in [1, block_size={block}]")
     n_pages = max_batch * math.ceil(block / page_size) if n_pages is None else n_pages
-    cache = PagedKVCache.for_model(model, n_pages, page_size)
+    cache = PagedKVCache.for_model(model, n_pages, page_size, prefix_cache=prefix_cache)
     alloc = cache.allocator
     worst = [alloc.pages_for(p.numel() + n) for p, n in zip(prompts, budgets)]  # the most each may take
     if max(worst) > n_pages:
         i = worst.index(max(worst))
         raise ValueError(f"request {i} may need {worst[i]} pages of {page_size}; the pool has n_pages={n_pages}")
     model.eval()
-    outputs: list[torch.Tensor] = list(prompts)
-    waiting, running, trace = deque(range(len(prompts))), {}, []  # running: request -> sequence id
-
-    def emit(requests: list[int], logits: torch.Tensor) -> list[int]:
-        """Append the next token of each request; return those that are done."""
-        nxt = sample_next_token(logits, temperature, generator=generator)[:, 0]
-        done = []
-        for r, t in zip(requests, nxt.tolist()):
-            outputs[r] = torch.cat([outputs[r], torch.tensor([t], device=device)])
-            if outputs[r].numel() - prompts[r].numel() == budgets[r] or stop_mask(torch.tensor(t), stops):
-                done.append(r)
-        return done
-
-    while waiting or running:
-        joined, left = [], []
-        owed = sum(worst[r] - len(alloc.table(s)) for r, s in running.items())  # pages the running may still take
-        while waiting and len(running) < max_batch and len(alloc.free) - owed >= worst[waiting[0]]:
-            r = waiting.popleft()
-            seq = running[r] = cache.add_sequence()
-            logits = step(model, prompts[r][None], cache.select([seq]))  # prefill alone
-            owed += worst[r] - len(alloc.table(seq))
-            joined.append(r)
-            left += emit([r], logits)
-        for r in left:
-            cache.release(running.pop(r))
-        if running:
-            requests = list(running)
-            cache.select([running[r] for r in requests])
-            last = torch.stack([outputs[r][-1] for r in requests])[:, None]  # (B, 1): each row's newest token
-            logits = step(model, last, cache, attention_mask=cache.attention_mask(1))
-            done = emit(requests, logits)
-            trace.append({"running": requests, "joined": joined, "left": left + done, "pages_used": alloc.pages_used})
-            for r in done:
-                cache.release(running.pop(r))
-    return outputs, trace
+    outputs, trace, stats = run_schedule(model, cache, prompts, budgets, max_batch=max_batch, prefill_chunk=prefill_chunk,
+                                         prefix_cache=prefix_cache, stops=stops,
+                                         sample=lambda logits: sample_next_token(logits, temperature, generator=generator))
+    return (outputs, trace, stats) if return_stats else (outputs, trace)
