@@ -20,9 +20,9 @@ from collections.abc import Mapping
 
 import torch
 
-from attnlib._checks import weight_tensors
 from attnlib.models.config import DecoderConfig
 from attnlib.models.decoder import Decoder
+from attnlib.models.hf_llama import hf_state_and_config
 
 __all__ = ["config_from_hf_gemma4", "from_hf_gemma4"]
 
@@ -171,22 +171,7 @@ def from_hf_gemma4(model_or_state_dict, config=None) -> Decoder:
         ValueError: a setting attnlib cannot reproduce (:func:`config_from_hf_gemma4`), missing or unexpected
             weights (named), a shape mismatch, a ``config`` that contradicts the model's own.
     """
-    if isinstance(model_or_state_dict, torch.nn.Module):
-        own_config = getattr(model_or_state_dict, "config", None)
-        if config is not None and own_config is not None:
-            given, own = config_from_hf_gemma4(config), config_from_hf_gemma4(own_config)
-            differ = {k: (v, own.to_dict()[k]) for k, v in given.to_dict().items() if own.to_dict()[k] != v}
-            if differ:
-                raise ValueError(f"config contradicts the model's own config: {differ} (given, the model's)")
-        config = own_config if config is None else config
-        state = model_or_state_dict.state_dict()
-    elif isinstance(model_or_state_dict, Mapping):
-        if config is None:
-            raise ValueError("a state dict needs its transformers config: from_hf_gemma4(state_dict, config=...)")
-        state = dict(model_or_state_dict)
-    else:
-        raise TypeError(f"expected a transformers model or a state dict; got {type(model_or_state_dict).__name__}")
-    weight_tensors(state)
+    state, config = hf_state_and_config(model_or_state_dict, config, config_from_hf_gemma4)
     ours = Decoder(config_from_hf_gemma4(config))
     c, own = ours.config, ours.state_dict()
     wanted, ignored = _wanted(c, state, own)

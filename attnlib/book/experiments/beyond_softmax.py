@@ -40,6 +40,7 @@ from attnlib import _cli
 from attnlib.attention.deltanet import GatedDeltaNet
 from attnlib.attention.linear import LinearAttention
 from attnlib.attention.sparse import GatedAttention
+from attnlib.book import results as results_files
 from attnlib.book.experiments.compare_attention import MODEL, _machine, seed_summary
 from attnlib.data import load_char_corpus
 from attnlib.models import GPT, GPTConfig
@@ -173,11 +174,7 @@ def interleaved_speed(rounds: int = 7, steps: int = 20, seed: int = 0, models: t
 
 def load_results(path: str | Path | None = None) -> dict:
     """Read a results file; ``None`` = the committed run shipped in :mod:`attnlib.book.results`."""
-    if path is None:
-        from importlib import resources
-
-        return json.loads((resources.files("attnlib.book.results") / "beyond_softmax.json").read_text("utf-8"))
-    return json.loads(Path(path).read_text())
+    return results_files.read("beyond_softmax", path)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -240,14 +240,7 @@ def load_results(path: str | Path | None = None) -> dict:
     Raises:
         FileNotFoundError: no file at ``path``.
     """
-    if path is None:
-        return results_files.load("compare_attention")
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no results at {path}; run `python -m attnlib.book.experiments.compare_attention --out {path}` first"
-        )
-    return json.loads(path.read_text())
+    return results_files.read("compare_attention", path)
 
 
 def format_table(results: dict) -> str:

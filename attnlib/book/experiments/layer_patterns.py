@@ -190,13 +190,7 @@ def load_results(path: str | Path | None = None) -> dict:
     Raises:
         FileNotFoundError: no file at ``path``.
     """
-    if path is None:
-        return results_files.load("layer_patterns")
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no results at {path}; run `python -m attnlib.book.experiments.layer_patterns "
-                                f"--out {path}` first")
-    return json.loads(path.read_text())
+    return results_files.read("layer_patterns", path)
 
 
 def main(argv: list[str] | None = None) -> dict:

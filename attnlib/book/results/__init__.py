@@ -4,8 +4,8 @@
   (every variant, several seeds);
 * ``bench_<name>.json``: full-size runs of ``python -m attnlib.bench <name> --out FILE`` (chapters 15-19;
   ``bench_modern.json`` is ``train --modern``, chapter 16);
-* ``long_context.json``, ``beyond_softmax.json``, ``speculative.json``: the experiments of chapters 17,
-  18 and 19 (``python -m attnlib.book.experiments.<name>``).
+* ``long_context.json``, ``beyond_softmax.json``, ``speculative.json``, ``layer_patterns.json``: the
+  experiments of chapters 17, 18, 19 and 20 (``python -m attnlib.book.experiments.<name>``).
 
 Each file records the command, the machine and the commit that produced it. They are read
 with :mod:`importlib.resources`, never from a path computed from ``__file__``, so they are
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from importlib.abc import Traversable
 
-__all__ = ["NAMES", "load", "path"]
+__all__ = ["NAMES", "load", "path", "read"]
 
 #: The committed results files, by name (the file name without ``.json``): every ``*.json`` shipped here.
 NAMES = tuple(sorted(f.name[: -len(".json")] for f in resources.files(__name__).iterdir() if f.name.endswith(".json")))
@@ -46,3 +46,21 @@ def path(name: str) -> Traversable:
 def load(name: str) -> dict:
     """Read the committed results file ``name`` (one of :data:`NAMES`) as a dict."""
     return json.loads(path(name).read_text(encoding="utf-8"))
+
+
+def read(name: str, file=None) -> dict:
+    """An experiment's results: the committed file ``name`` (``file`` None), or the file at ``file`` written by
+    ``python -m attnlib.book.experiments.<name> --out FILE``.
+
+    Raises:
+        FileNotFoundError: no file at ``file`` (the message gives the command that writes it).
+    """
+    if file is None:
+        return load(name)
+    from pathlib import Path
+
+    file = Path(file)
+    if not file.is_file():
+        raise FileNotFoundError(f"no results at {file}; run `python -m attnlib.book.experiments.{name} --out {file}` "
+                                "first")
+    return json.loads(file.read_text(encoding="utf-8"))
