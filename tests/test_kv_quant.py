@@ -9,8 +9,10 @@ What is compared:
   group of tokens and per value token); KIVI's residual (positions ``>= Q``) is returned exactly;
 * a small random Llama-style decoder decoding with each cache: the prompt's logits exact; the decode steps'
   logits close to the exact cache's, the error ordered int8 < KIVI-4 < KIVI-2 (max and mean |Δlogit|);
-  measured on this model (seed 0): int8 5.8e-4, KIVI-4 6.7e-3, KIVI-2 3.4e-2 (max); int8's argmax equal to the
-  exact cache's at every teacher-forced step and its greedy continuation equal (asserted for this seed only);
+  measured on this model (seed 0, logits up to 0.67, G = R = 4): max 6.7e-4, 6.9e-3, 3.8e-2, mean 1.2e-4,
+  1.1e-3, 7.6e-3; int8's argmax equal to the exact cache's at every teacher-forced step (KIVI-4: 98.8%, KIVI-2:
+  92.7%, not asserted) and its 20-token greedy continuation equal (asserted for this model and seed only);
+  a model whose last two layers share keys and values (Gemma 4) decodes through int8 within 2.2e-4;
 * ``nbytes()`` equals the formula (codes + scales/zero points + residual), and is below the float cache's by the
   expected factor;
 * the protocol: reorder (beam search), crop, reset, bad inputs (type and message).
@@ -179,7 +181,7 @@ def test_decoding_error_grows_as_the_bits_shrink():
     means = {s: float(e.mean()) for s, e in errors.items()}
     assert 0 < maxes["int8"] < maxes["kivi4"] < maxes["kivi2"], maxes
     assert means["int8"] < means["kivi4"] < means["kivi2"], means
-    assert maxes["int8"] < 1e-2, maxes  # measured 5.8e-4 (logits up to 0.6)
+    assert maxes["int8"] < 1e-2, maxes  # measured 6.7e-4 (logits up to 0.67)
     int8 = decode(model, KVCache.quantized(model, "int8"), idx)
     assert torch.equal(int8.argmax(-1), exact.argmax(-1))  # measured: every step's argmax unchanged
 
@@ -217,7 +219,7 @@ def test_shared_layers_read_their_source_dequantised():
     exact = decode(model, model.new_cache(), idx)
     cache = KVCache.quantized(model, "int8")
     got = decode(model, cache, idx)
-    assert 0 < (got - exact).abs().max() < 1e-2
+    assert 0 < (got - exact).abs().max() < 1e-2  # measured 2.2e-4
     assert [layer.nbytes() for layer in cache.layers][2:] == [0, 0]  # the shared layers keep nothing
 
 
