@@ -14,6 +14,9 @@
   ``LlamaForCausalLM`` with the same weights: a training step and greedy decoding (needs ``transformers``).
 * ``layer-types`` (:func:`layer_types_rows`): decode tokens/s and KV-cache bytes of layer patterns
   (full, sliding, Gemma 3, gpt-oss, Llama 4, Qwen3-Next) at one context.
+* ``kv-quant`` (:mod:`attnlib.bench.kv_quant`): bytes per token and the logits' and loss's error of the
+  float, bfloat16, int8 and KIVI 4- and 2-bit caches (:meth:`attnlib.cache.KVCache.quantized`).
+* ``serving`` also compares prefix caching and chunked prefill on and off (prefill tokens, longest stall).
 
 Each function returns plain dicts (one per table row) so that a notebook can run a
 small version. The command line checks every flag first (``error:``, exit 2), prints the

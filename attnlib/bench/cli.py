@@ -22,6 +22,7 @@ from attnlib.bench._common import threads as using_threads
 from attnlib.bench.flash import COMMAND as FLASH_COMMAND
 from attnlib.bench.hf_llama import COMMAND as HF_LLAMA_COMMAND
 from attnlib.bench.kv_cache import GPT2_SMALL, TINY, VARIANTS, format_kv_cache, kv_cache_rows
+from attnlib.bench.kv_quant import COMMAND as KV_QUANT_COMMAND
 from attnlib.bench.layer_types import COMMAND as LAYER_TYPES_COMMAND
 from attnlib.bench.long_context import COMMAND as LONG_CONTEXT_COMMAND
 from attnlib.bench.memory import METHODS, format_memory, memory_rows
@@ -33,7 +34,7 @@ __all__ = ["BENCHMARKS", "main"]
 
 #: Benchmarks defined by a :class:`attnlib.bench._common.Command` next to their rows (newer ones).
 COMMANDS = {"flash": FLASH_COMMAND, "long-context": LONG_CONTEXT_COMMAND, "serving": SERVING_COMMAND,
-            "hf-llama": HF_LLAMA_COMMAND, "layer-types": LAYER_TYPES_COMMAND}
+            "hf-llama": HF_LLAMA_COMMAND, "layer-types": LAYER_TYPES_COMMAND, "kv-quant": KV_QUANT_COMMAND}
 BENCHMARKS = ("mha", "kv-cache", "memory", "train", *COMMANDS)
 #: Sizes of ``--small`` runs: seconds on a laptop CPU.
 MHA_SMALL = dict(batch=2, seq_len=64, d_model=64, n_heads=4)

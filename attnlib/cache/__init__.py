@@ -11,6 +11,8 @@
 * :class:`RecurrentState` (:mod:`~attnlib.cache.recurrent`): a linear-attention layer's fixed state (chapter 18);
 * :class:`SharedLayerCache`, :class:`ForwardLayerCache` (:mod:`~attnlib.cache.shared`): a layer that attends
   with another layer's keys and values keeps none (cross-layer KV sharing, Gemma 4; chapter 20);
+* :class:`Int8LayerCache`, :class:`KIVILayerCache` (:mod:`~attnlib.cache.quantized`): keys and values in 8, 4
+  or 2 bits (KIVI, Liu et al. 2024; :meth:`KVCache.quantized`; chapter 19);
 * :class:`KVCache` (:mod:`~attnlib.cache.model`): one of the above per layer of a decoder;
 * :func:`kv_cache_bytes` (:mod:`~attnlib.cache.memory`): the memory a cache will need, before allocating it.
 """
@@ -19,6 +21,7 @@ from attnlib.cache.memory import kv_cache_bytes, layer_cache_lengths, layer_wind
 from attnlib.cache.model import KVCache
 from attnlib.cache.paged import OutOfPages, PageAllocator, PagedKVCache, PagedLayerCache
 from attnlib.cache.prefix import PrefixPageAllocator
+from attnlib.cache.quantized import Int8LayerCache, KIVILayerCache
 from attnlib.cache.recurrent import RecurrentState
 from attnlib.cache.shared import ForwardLayerCache, SharedLayerCache, forward_caches
 from attnlib.cache.windowed import ChunkedLayerCache, RingLayerCache, SinkLayerCache
@@ -26,6 +29,8 @@ from attnlib.cache.windowed import ChunkedLayerCache, RingLayerCache, SinkLayerC
 __all__ = [
     "ChunkedLayerCache",
     "ForwardLayerCache",
+    "Int8LayerCache",
+    "KIVILayerCache",
     "KVCache",
     "LayerCache",
     "OutOfPages",

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from attnlib._checks import non_negative_int, positive_int
+from attnlib.cache.quantized import quantized_layers
 from attnlib.cache.shared import kv_sources, link_shared
 from attnlib.cache.windowed import SinkLayerCache
 
@@ -71,6 +72,18 @@ class KVCache:
                              "positions, cannot serve them")
         block_size = model.config.block_size if block_size is None else block_size
         return cls([SinkLayerCache(block_size, window, n_sink) for _ in model.blocks])
+
+    @classmethod
+    def quantized(cls, model, scheme: str = "int8", *, group_size: int = 32, residual_length: int = 128,
+                  block_size: int | None = None) -> KVCache:
+        """Keys and values in fewer bits (chapter 19): ``scheme="int8"`` (:class:`~attnlib.cache.Int8LayerCache`,
+        a scale per token and head) or ``"kivi4"``/``"kivi2"`` (:class:`~attnlib.cache.KIVILayerCache`: KIVI,
+        Liu et al. 2024, keys per channel over ``group_size`` tokens, values per token, the last
+        ``residual_length`` or more tokens in full precision). Every position is kept; see
+        :func:`attnlib.cache.quantized.quantized_layers` for what is refused (MLA, linear-attention layers).
+        """
+        return cls(quantized_layers(model, scheme, group_size=group_size, residual_length=residual_length,
+                                    block_size=block_size))
 
     @property
     def length(self) -> int:
