@@ -43,6 +43,11 @@ class EvictingLayerCache(LayerCache):
         return self.budget
 
     @property
+    def n_held(self) -> int:
+        """Positions each row and head holds now (``positions[..., :n_held]``, ascending)."""
+        return self._held
+
+    @property
     def key_positions(self) -> torch.Tensor:
         """``(B, n_kv_heads, T_k)`` int64: each row's and head's positions of the keys the last update returned."""
         return self._key_positions
