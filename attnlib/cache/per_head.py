@@ -24,6 +24,12 @@ class EvictingLayerCache(LayerCache):
 
     Args:
         block_size: the most positions a sequence may reach. budget: slots per row and head, an int >= 1.
+
+    Raises:
+        TypeError / ValueError: a bad size (named); on :meth:`update`, anything but keys and values
+            ``(B, n_kv_heads, T_new, head_dim)`` of one shape, or a second update before :meth:`observe`; on
+            :meth:`observe`, no update waiting or weights of another shape; in :meth:`check_layer` and
+            :meth:`crop`, see there.
     """
 
     #: The layer hands this step's attention weights to :meth:`observe` (the eager path) while this is true.
