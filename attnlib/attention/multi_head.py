@@ -313,7 +313,8 @@ class MultiHeadAttention(nn.Module):
             positions: optional ``(B, T)`` integer positions of the new tokens, one row per sequence
                 (left-padded batches, chapter 19: each row counts from its first real token); RoPE
                 rotates by them. Default ``cache.length, …, cache.length + T - 1`` for every row.
-            return_weights: also return the weights ``(B, n_heads, T, T_k)`` (eager function).
+            return_weights: also return the weights ``(B, n_heads, T, T_k)`` (eager function). A cache whose
+                ``needs_weights`` is true gets them too (``cache.observe``; the eager function then runs).
 
         Returns:
             ``(B, T, d_model)``, or ``(output, weights)`` with ``return_weights``. A query with
@@ -329,6 +330,9 @@ class MultiHeadAttention(nn.Module):
         if self.temperature is not None:  # Llama 4: queries scaled by their absolute positions
             q = self.temperature(q, positions, past)
         mask = visible_mask(self, mask, attention_mask, cache, q.shape[-2], T_total, x.device)
-        y, weights = self.attend(q, k, v, mask, self.causal and context is None, return_weights)
+        watch = getattr(cache, "needs_weights", False)  # an evicting cache (H2O, SnapKV) reads this step's weights
+        y, weights = self.attend(q, k, v, mask, self.causal and context is None, return_weights or watch)
+        if watch:
+            cache.observe(weights)  # it keeps what they rank highest (attnlib.cache.eviction)
         y = self.resid_dropout(self.merge(self.gate_output(x, y)))
         return (y, weights) if return_weights else y

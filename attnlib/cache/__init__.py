@@ -13,9 +13,13 @@
   with another layer's keys and values keeps none (cross-layer KV sharing, Gemma 4; chapter 20);
 * :class:`Int8LayerCache`, :class:`KIVILayerCache` (:mod:`~attnlib.cache.quantized`): keys and values in 8, 4
   or 2 bits (KIVI, Liu et al. 2024; :meth:`KVCache.quantized`; chapter 19);
+* :class:`H2OLayerCache`, :class:`SnapKVLayerCache` (:mod:`~attnlib.cache.eviction`): keys kept by their
+  attention, a fixed budget per head (H2O, Zhang et al. 2023; SnapKV, Li et al. 2024; :meth:`KVCache.eviction`;
+  chapter 17);
 * :class:`KVCache` (:mod:`~attnlib.cache.model`): one of the above per layer of a decoder;
 * :func:`kv_cache_bytes` (:mod:`~attnlib.cache.memory`): the memory a cache will need, before allocating it.
 """
+from attnlib.cache.eviction import H2OLayerCache, SnapKVLayerCache
 from attnlib.cache.layer import LayerCache
 from attnlib.cache.memory import kv_cache_bytes, layer_cache_lengths, layer_windows
 from attnlib.cache.model import KVCache
@@ -29,6 +33,7 @@ from attnlib.cache.windowed import ChunkedLayerCache, RingLayerCache, SinkLayerC
 __all__ = [
     "ChunkedLayerCache",
     "ForwardLayerCache",
+    "H2OLayerCache",
     "Int8LayerCache",
     "KIVILayerCache",
     "KVCache",
@@ -42,6 +47,7 @@ __all__ = [
     "RingLayerCache",
     "SharedLayerCache",
     "SinkLayerCache",
+    "SnapKVLayerCache",
     "forward_caches",
     "kv_cache_bytes",
     "layer_cache_lengths",

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from attnlib._checks import non_negative_int, positive_int
+from attnlib.cache.eviction import eviction_layers
 from attnlib.cache.quantized import quantized_layers
 from attnlib.cache.shared import kv_sources, link_shared
 from attnlib.cache.windowed import SinkLayerCache
@@ -84,6 +85,18 @@ class KVCache:
         """
         return cls(quantized_layers(model, scheme, group_size=group_size, residual_length=residual_length,
                                     block_size=block_size))
+
+    @classmethod
+    def eviction(cls, model, method: str = "h2o", *, budget: int, recent: int | None = None, window: int = 32,
+                 kernel_size: int = 5, pooling: str = "avgpool", block_size: int | None = None) -> KVCache:
+        """Keys kept by their attention, ``budget`` per row and key/value head (chapter 17): ``method="h2o"``
+        (:class:`~attnlib.cache.H2OLayerCache`: Zhang et al. 2023, the ``recent`` latest and the heavy hitters) or
+        ``"snapkv"`` (:class:`~attnlib.cache.SnapKVLayerCache`: Li et al. 2024, the prompt's keys voted for by its
+        last ``window`` queries). Windowed and chunked layers keep their own window; see
+        :func:`attnlib.cache.eviction.eviction_layers` for what is refused (MLA, linear and KV-shared layers).
+        """
+        return cls(eviction_layers(model, method, budget=budget, recent=recent, window=window,
+                                   kernel_size=kernel_size, pooling=pooling, block_size=block_size))
 
     @property
     def length(self) -> int:
