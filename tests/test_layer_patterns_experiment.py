@@ -47,6 +47,7 @@ def test_a_pattern_whose_field_is_missing_is_refused_by_name(monkeypatch):
     (["--patterns", "gemma"], "invalid choice"),
     (["--merge-with", "no/such/file.json"], "no results file"),
     (["--out", "/"], "not a file name"),
+    (["--threads", "0"], "--threads"),
 ])
 def test_bad_flags_are_refused_before_training(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -66,8 +67,10 @@ def test_a_pattern_this_attnlib_cannot_build_is_refused_on_the_command_line(monk
 def test_tiny_run_then_merge(tmp_path, capsys):
     out = tmp_path / "run.json"
     tiny = ["--max-iters", "3", "--eval-interval", "3", "--eval-iters", "1"]
-    first = lp.main(["--patterns", "full", "alternating", "--seeds", "5", *tiny, "--out", str(out)])
+    threads = torch.get_num_threads()
+    first = lp.main(["--patterns", "full", "alternating", "--seeds", "5", *tiny, "--out", str(out), "--threads", "1"])
     assert first["meta"]["complete"] and json.loads(out.read_text()) == first
+    assert first["meta"]["threads"] == 1 and torch.get_num_threads() == threads  # trained on 1, the caller's restored
     run = first["variants"]["alternating"]
     assert run["by_seed"]["5"]["steps"] == [0, 3]
     model = lp.build_model("alternating", 0)

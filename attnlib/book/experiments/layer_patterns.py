@@ -206,6 +206,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--merge-with", type=Path, default=None, metavar="FILE",
                    help="add these runs to an earlier results file (same settings) and write both")
     p.add_argument("--out", type=_cli.output_file, default=DEFAULT_OUT)
+    p.add_argument("--threads", type=_cli.positive_int, default=1,
+                   help="torch threads (default 1: these small matrices gain nothing from more, and extra "
+                        "threads on a busy machine spin and slow every process down)")
     args = p.parse_args(argv)
     if len(set(args.seeds)) != len(args.seeds):
         p.error(f"argument --seeds: {args.seeds} repeats a seed")
@@ -236,6 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
             p.error(f"argument --merge-with: {args.merge_with} already holds {', '.join(twice)}")
     command = "python -m attnlib.book.experiments.layer_patterns " + " ".join(sys.argv[1:] if argv is None else argv)
     started = time.perf_counter()
+    before = torch.get_num_threads()
+    torch.set_num_threads(args.threads)  # recorded in the file's meta (threads); restored below
 
     def write(results: dict, complete: bool = False) -> dict:
         results["meta"].update(command=command, complete=complete, wall_s=round(time.perf_counter() - started, 1))
@@ -244,7 +249,10 @@ def main(argv: list[str] | None = None) -> dict:
         _cli.write_json(args.out, results)  # atomic: a run stopped while writing keeps the last complete file
         return results
 
-    results = write(compare(patterns, tuple(args.seeds), training, on_run=write), complete=True)
+    try:
+        results = write(compare(patterns, tuple(args.seeds), training, on_run=write), complete=True)
+    finally:
+        torch.set_num_threads(before)  # main() called from Python leaves the caller's setting as it was
     for name, s in seed_summary(results).items():
         r = results["variants"][name]
         tps = [run["tokens_per_s"] for run in r["by_seed"].values()]
