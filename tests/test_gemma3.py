@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_modern import test_logits_equal  # noqa: F401  (run on this file's pair: logits and loss)
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
@@ -47,15 +48,8 @@ def pair(request):
     return hf, attnlib.from_hf_gemma3(hf).eval()
 
 
-def test_logits_equal(pair):
-    hf, ours = pair
-    assert ours.config.layer_types == ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
-    idx = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = hf(idx).logits
-        logits, loss = ours(idx, idx)
-    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(expected.flatten(0, 1), idx.flatten()))
+def test_the_pattern_is_gemma3s(pair):
+    assert pair[1].config.layer_types == ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
 
 
 def test_greedy_tokens_equal_transformers_with_and_without_cache(pair):

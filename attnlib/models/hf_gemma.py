@@ -31,7 +31,7 @@ import torch
 
 from attnlib.models.config import DecoderConfig
 from attnlib.models.decoder import Decoder
-from attnlib.models.hf_llama import _flag, _int_field, hf_state_and_config
+from attnlib.models.hf_llama import _flag, _int_field, config_getter, hf_state_and_config
 from attnlib.positional.scaling import ROPE_TYPES
 
 __all__ = ["config_from_hf_gemma3", "from_hf_gemma3"]
@@ -132,7 +132,7 @@ def config_from_hf_gemma3(hf_config) -> DecoderConfig:
     """
     if hf_config is None or isinstance(hf_config, (str, bytes, int, float, list, tuple)):
         raise TypeError(f"hf_config must be a transformers config or its dict; got {type(hf_config).__name__}")
-    get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
+    get = config_getter(hf_config)
     model_type = get("model_type")
     if model_type is not None and model_type != "gemma3_text":
         hint = ": pass its text_config (and the language model's weights)" if model_type == "gemma3" else ""

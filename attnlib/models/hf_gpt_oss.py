@@ -13,13 +13,11 @@ Settings attnlib cannot reproduce are refused with a ``ValueError`` naming them.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 
 from attnlib.attention.multi_head import MultiHeadAttention
 from attnlib.models.hf_llama import _int_field as _size
-from attnlib.models.hf_llama import rope_parameters
+from attnlib.models.hf_llama import config_getter, rope_parameters
 from attnlib.positional.rotary import RotaryEmbedding
 from attnlib.positional.scaling import ROPE_TYPES
 
@@ -29,7 +27,7 @@ __all__ = ["attention_from_hf", "rope_from_hf_gpt_oss"]
 def _getter(config):
     if config is None or isinstance(config, (str, bytes, int, float, list, tuple)):
         raise TypeError(f"config must be a transformers GptOssConfig or its dict; got {type(config).__name__}")
-    return config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
+    return config_getter(config)
 
 
 def rope_from_hf_gpt_oss(config) -> RotaryEmbedding:

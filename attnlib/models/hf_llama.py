@@ -21,7 +21,7 @@ from attnlib.models.config import DecoderConfig
 from attnlib.models.decoder import Decoder
 from attnlib.positional.scaling import ROPE_TYPES
 
-__all__ = ["config_from_hf_decoder", "from_hf_llama", "from_hf_mistral", "from_hf_qwen3", "from_hf_smollm3",
+__all__ = ["config_from_hf_decoder", "config_getter", "from_hf_llama", "from_hf_mistral", "from_hf_qwen3", "from_hf_smollm3",
            "hf_state_and_config", "rope_parameters"]
 
 _BLOCK_KEYS = {  # attnlib name -> transformers name (per layer); qkv is stacked from three
@@ -36,6 +36,11 @@ _BLOCK_KEYS = {  # attnlib name -> transformers name (per layer); qkv is stacked
     "mlp.down.weight": "mlp.down_proj.weight",
 }
 _FAMILIES = ("llama", "qwen3", "mistral", "smollm3")
+
+
+def config_getter(hf_config):
+    """``get(name, default)`` over a transformers config object or its ``config.json`` dict."""
+    return hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
 
 
 def _flag(get, name: str) -> bool:
@@ -150,7 +155,7 @@ def config_from_hf_decoder(hf_config, family: str) -> DecoderConfig:
         raise ValueError(f"family must be one of {_FAMILIES}; got {family!r}")
     if hf_config is None or isinstance(hf_config, (str, bytes, int, float, list, tuple)):
         raise TypeError(f"hf_config must be a transformers config or its dict; got {type(hf_config).__name__}")
-    get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
+    get = config_getter(hf_config)
     model_type = get("model_type")
     if model_type is not None and model_type != family:
         raise ValueError(f"this is a {model_type!r} config; from_hf_{family} loads {family!r} models")

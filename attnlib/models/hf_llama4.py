@@ -22,12 +22,11 @@ padded sequence; without padding they agree.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 from torch import nn
 
 from attnlib.models.config import DecoderConfig
+from attnlib.models.hf_llama import config_getter
 from attnlib.models.layers import build_attention
 from attnlib.positional.rotary import RotaryEmbedding, interleaved_to_half_split
 from attnlib.positional.scaling import ROPE_TYPES
@@ -83,7 +82,7 @@ def config_from_hf_llama4(hf_config) -> DecoderConfig:
     """
     if hf_config is None or isinstance(hf_config, (str, bytes, int, float, list, tuple)):
         raise TypeError(f"hf_config must be a transformers Llama4TextConfig or its dict; got {type(hf_config).__name__}")
-    get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
+    get = config_getter(hf_config)
     if get("model_type") not in (None, "llama4_text"):
         raise ValueError(f"this is a {get('model_type')!r} config; config_from_hf_llama4 reads 'llama4_text' "
                          "(a Llama4Config's text_config)")
