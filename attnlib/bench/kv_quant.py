@@ -27,7 +27,8 @@ from attnlib.bench._common import Command, format_table
 from attnlib.cache import KVCache, LayerCache
 from attnlib.models import Decoder, DecoderConfig
 
-__all__ = ["COMMAND", "KV_QUANT", "KV_QUANT_SMALL", "SCHEMES", "copy_batch", "format_kv_quant", "kv_quant_rows"]
+__all__ = ["COMMAND", "KV_QUANT", "KV_QUANT_SMALL", "SCHEMES", "copy_batch", "decode_logits", "format_kv_quant",
+           "kv_quant_rows", "logit_changes", "scheme_cache"]
 
 SCHEMES = ("float32", "bfloat16", "int8", "kivi4", "kivi2")
 #: 4 layers, 8 heads of 32 (2 key/value heads), a 256-token context; KIVI's G = 32, R = 32 (the paper's R = 128
@@ -59,7 +60,8 @@ def copy_batch(batch: int, length: int, segment: int, vocab_size: int, generator
     return seg.repeat(1, -(-length // segment))[:, :length]
 
 
-def _cache(model: Decoder, scheme: str, group_size: int, residual_length: int) -> KVCache:
+def scheme_cache(model: Decoder, scheme: str, group_size: int, residual_length: int) -> KVCache:
+    """An empty cache of ``scheme`` (one of :data:`SCHEMES`) for ``model``; KIVI's G and R as given."""
     if scheme == "float32":
         return model.new_cache()
     if scheme == "bfloat16":
@@ -68,8 +70,9 @@ def _cache(model: Decoder, scheme: str, group_size: int, residual_length: int) -
 
 
 @torch.no_grad()
-def _decode(model: Decoder, cache: KVCache, idx: torch.Tensor, prompt: int) -> torch.Tensor:
-    """Logits predicting tokens ``prompt … T-1``: the prompt's last, then one teacher-forced step at a time."""
+def decode_logits(model: Decoder, cache: KVCache, idx: torch.Tensor, prompt: int) -> torch.Tensor:
+    """Logits ``(B, T - prompt, vocab)`` predicting tokens ``prompt … T-1`` of ``idx`` ``(B, T)``: the prompt read
+    at once into ``cache`` (its last position's logits), then one teacher-forced token per step."""
     steps = [model(idx[:, :prompt], cache=cache, last_only=True)[0][:, -1]]
     steps += [model(idx[:, t:t + 1], cache=cache)[0][:, -1] for t in range(prompt, idx.shape[1] - 1)]
     return torch.stack(steps, 1)  # (B, T - prompt, vocab)
@@ -101,18 +104,26 @@ def kv_quant_rows(config: DecoderConfig, segment: int, prompt: int, batch: int, 
     targets = idx[:, prompt:]
     logits, rows = {}, []
     for scheme in dict.fromkeys(("float32", *schemes)):
-        cache = _cache(model, scheme, group_size, residual_length)
-        logits[scheme] = _decode(model, cache, idx, prompt)
-        loss = torch.nn.functional.cross_entropy(logits[scheme].flatten(0, 1), targets.flatten()).item()
+        cache = scheme_cache(model, scheme, group_size, residual_length)
+        logits[scheme] = decode_logits(model, cache, idx, prompt)
         rows.append(dict(scheme=scheme, bytes_per_token=float(cache.bytes_per_token()), nbytes=cache.nbytes(),
-                         loss=loss, logits=logits[scheme]))
-    exact = rows[0]
+                         **logit_changes(logits[scheme], logits["float32"], targets)))
     for row in rows:
-        d = (row.pop("logits") - logits["float32"]).abs()
-        row.update(smaller=exact["nbytes"] / row["nbytes"], max_abs_dlogit=d.max().item(),
-                   mean_abs_dlogit=d.mean().item(), dloss=row["loss"] - exact["loss"],
-                   same_argmax=(logits[row["scheme"]].argmax(-1) == logits["float32"].argmax(-1)).float().mean().item())
+        row["smaller"] = rows[0]["nbytes"] / row["nbytes"]
     return [r for r in rows if r["scheme"] in schemes]
+
+
+def logit_changes(logits: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor) -> dict:
+    """The loss of ``logits`` ``(B, S, vocab)`` on ``targets`` ``(B, S)`` (mean cross-entropy, nats) and what changed
+    against ``reference`` (same shape): ``loss``, ``dloss``, ``max_abs_dlogit``, ``mean_abs_dlogit``, ``same_argmax``
+    (the share of steps whose argmax is unchanged)."""
+    def loss_of(x: torch.Tensor) -> float:
+        return torch.nn.functional.cross_entropy(x.flatten(0, 1), targets.flatten()).item()
+
+    d, loss = (logits - reference).abs(), loss_of(logits)
+    return dict(loss=loss, dloss=loss - loss_of(reference), max_abs_dlogit=d.max().item(),
+                mean_abs_dlogit=d.mean().item(),
+                same_argmax=(logits.argmax(-1) == reference.argmax(-1)).float().mean().item())
 
 
 def format_kv_quant(rows: list[dict], settings: dict | None = None) -> str:
