@@ -10,7 +10,7 @@ batches, seed 1337):
 * ``llama``: chapter 16's decoder at the same sizes, :meth:`attnlib.DecoderConfig.llama` (RoPE, RMSNorm,
   SwiGLU, an untied head), with grouped-query attention of ``n_heads // 2`` key/value heads.
 
-Each model then reads ``rows`` held-out windows of ``block_size + 1`` validation tokens (random starts drawn
+Each model then reads ``rows`` (128) held-out windows of ``block_size + 1`` validation tokens (random starts drawn
 by a generator of seed ``data_seed``) through each cache: a prompt at once, then one teacher-forced token per
 step (:func:`attnlib.bench.kv_quant.decode_logits`), and every decode step's logits are compared with those
 read through the model's own float32 cache (:func:`attnlib.bench.kv_quant.logit_changes`). The schemes:
@@ -29,7 +29,8 @@ Two prompts: ``block_size // 8`` tokens (the bounded caches fill while decoding)
 short one it keeps everything). Per model, prompt and scheme: ``bytes_per_token`` (one sequence, all
 layers: :meth:`~attnlib.cache.KVCache.bytes_per_token`, scales, positions and H2O's scores included),
 ``cache_bytes`` (one sequence's cache as allocated at the end of the window), ``loss`` (mean cross-entropy
-of the decode steps), ``dloss``, ``max_abs_dlogit``, ``mean_abs_dlogit``, ``same_argmax``; an eviction scheme
+of the decode steps), ``dloss`` and ``dloss_stderr`` (the standard error of the tokens' paired loss
+differences), ``max_abs_dlogit``, ``mean_abs_dlogit``, ``same_argmax``; an eviction scheme
 also ``past_budget``: the same over the steps whose query position is >= the budget (before them a bounded
 cache changes nothing).
 
@@ -51,6 +52,7 @@ import time
 from dataclasses import asdict
 
 import torch
+from torch.nn import functional as F
 
 from attnlib import _cli
 from attnlib.bench.kv_quant import SCHEMES as QUANTIZED
@@ -164,11 +166,22 @@ def measure(model: Decoder, idx: torch.Tensor, prompt: int, settings: dict,
             continue
         logits = decode_logits(reader, cache, idx, prompt)
         rows[scheme] = row = dict(cache=how, bytes_per_token=float(cache.bytes_per_token()),
-                                  cache_bytes=cache.nbytes() // len(idx), **logit_changes(logits, reference, targets))
+                                  cache_bytes=cache.nbytes() // len(idx), **_changes(logits, reference, targets))
         if scheme in EVICTING:
             row["past_budget"] = None if past >= targets.shape[1] else dict(
-                steps=targets.shape[1] - past, **logit_changes(logits[:, past:], reference[:, past:], targets[:, past:]))
+                steps=targets.shape[1] - past, **_changes(logits[:, past:], reference[:, past:], targets[:, past:]))
     return rows
+
+
+def _changes(logits: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor) -> dict:
+    """:func:`~attnlib.bench.kv_quant.logit_changes` and ``dloss_stderr``: the standard error of ``dloss``, the
+    mean of the tokens' paired loss differences (their standard deviation over the square root of their count)."""
+    def token_losses(x: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(x.flatten(0, 1), targets.flatten(), reduction="none")
+
+    d = token_losses(logits) - token_losses(reference)
+    stderr = d.std().item() / d.numel() ** 0.5 if d.numel() > 1 else float("nan")
+    return dict(logit_changes(logits, reference, targets), dloss_stderr=stderr)
 
 
 def _train(name: str, corpus, training: TrainConfig) -> tuple[Decoder, dict]:
@@ -188,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-iters", type=_cli.positive_int, default=TRAINING["max_iters"],
                         help=f"optimiser steps per model (default {TRAINING['max_iters']}, chapter 12's)")
-    parser.add_argument("--rows", type=_cli.positive_int, default=16, help="held-out windows read (default 16)")
+    parser.add_argument("--rows", type=_cli.positive_int, default=128,
+                        help="held-out windows read (default 128)")
     parser.add_argument("--data-seed", type=_cli.seed, default=0, help="seed of the windows' starts (default 0)")
     parser.add_argument("--threads", type=_cli.positive_int, default=1, help="torch threads (default 1)")
     parser.add_argument("--out", type=_cli.output_file, default=DEFAULT_OUT)
@@ -217,8 +231,9 @@ def main(argv: list[str] | None = None) -> dict:
             results["models"][name] = record
             for p, rows in record["by_prompt"].items():
                 for scheme, row in rows.items():
-                    shown = (f"{row['bytes_per_token']:7.0f} B/token  loss {row['loss']:.4f} ({row['dloss']:+.4f})  "
-                             f"max|dlogit| {row['max_abs_dlogit']:.2e}") if "loss" in row else "refused"
+                    shown = (f"{row['bytes_per_token']:7.0f} B/token  loss {row['loss']:.4f} ({row['dloss']:+.4f} "
+                             f"± {row['dloss_stderr']:.4f})  max|dlogit| {row['max_abs_dlogit']:.2e}"
+                             ) if "loss" in row else "refused"
                     print(f"  prompt {p:>3s} {scheme:9s} {shown}", flush=True)
     finally:
         torch.set_num_threads(before)
