@@ -9,12 +9,13 @@
   chapters 04, 06, 09, 16, 17), :class:`TalkingHeadsAttention` (05), :class:`MultiHeadLatentAttention`
   (07), the single heads of chapters 02–04 (:mod:`~attnlib.attention.teaching`), and chapter 18's
   :class:`LinearAttention`, :class:`GatedDeltaNet`, :class:`GatedAttention`, :class:`TopKAttention`; chapter 20's
-  :class:`DifferentialAttention`.
+  :class:`DifferentialAttention`; chapter 21's :class:`KimiDeltaAttention` (:func:`kimi_delta_rule`).
 """
 from attnlib.attention.deltanet import GatedDeltaNet, gated_delta_rule
 from attnlib.attention.differential import DifferentialAttention, lambda_init_schedule
 from attnlib.attention.flash import flash_attention
 from attnlib.attention.functions import attention, check_attention_inputs, sdpa_attention
+from attnlib.attention.kda import KimiDeltaAttention, kimi_delta_rule
 from attnlib.attention.latent import MultiHeadLatentAttention
 from attnlib.attention.linear import FEATURE_MAPS, LinearAttention, linear_attention
 from attnlib.attention.masks import (
@@ -42,6 +43,7 @@ __all__ = [
     "DifferentialAttention",
     "GatedAttention",
     "GatedDeltaNet",
+    "KimiDeltaAttention",
     "LightningIndexer",
     "LinearAttention",
     "MultiHeadAttention",
@@ -58,6 +60,7 @@ __all__ = [
     "combined_mask",
     "flash_attention",
     "gated_delta_rule",
+    "kimi_delta_rule",
     "get_attention_function",
     "lambda_init_schedule",
     "linear_attention",

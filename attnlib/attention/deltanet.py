@@ -13,6 +13,11 @@ library; the paper writes its transpose). :func:`gated_delta_rule` computes it t
 (``"recurrent"``) or chunk by chunk (``"chunked"``: inside a chunk the updates are folded into
 matrix products by the WY/UT representation of Yang et al. 2024, NeurIPS, as in ``fla``'s
 ``chunk_gated_delta_rule``). :class:`GatedDeltaNet` is the layer.
+
+The gate may also be one decay per key channel, ``α_t ∈ (0, 1]^{d_k}`` (Kimi Delta Attention,
+chapter 21, :mod:`attnlib.attention.kda`): the state decays first, each row at its own rate, then
+takes the delta-rule step, ``S_t = (I - β_t k_t k_tᵀ) Diag(α_t) S_{t-1} + β_t k_t v_tᵀ`` (for a
+scalar ``α_t`` the two orders agree, and this is the equation above).
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from attnlib._checks import divisible, finite_number, positive_int, probability
 from attnlib.attention.linear import RecurrentLayer, check_recurrent_input
 from attnlib.cache.recurrent import RecurrentState
 
-__all__ = ["DELTA_MODES", "GatedDeltaNet", "gated_delta_rule"]
+__all__ = ["DELTA_MODES", "GatedDeltaNet", "decay_parameters", "gated_delta_rule"]
 
 DELTA_MODES = ("recurrent", "chunked")
 
@@ -47,9 +52,11 @@ def _check(q, k, v, beta, g) -> None:
         raise ValueError(f"v must have shape (B, n_heads, T, d_v) = {tuple(q.shape[:3])} + (d_v,); got {tuple(v.shape)}")
     if q.shape[2] == 0 or q.shape[3] == 0:
         raise ValueError(f"q holds no positions or has width d_k = 0; got shape {tuple(q.shape)}")
-    for name, t in (("beta", beta), ("g", g)):
-        if t is not None and t.shape != q.shape[:3]:
-            raise ValueError(f"{name} must have shape (B, n_heads, T) = {tuple(q.shape[:3])}; got {tuple(t.shape)}")
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"beta must have shape (B, n_heads, T) = {tuple(q.shape[:3])}; got {tuple(beta.shape)}")
+    if g is not None and g.shape not in (q.shape[:3], q.shape):
+        raise ValueError(f"g must have shape (B, n_heads, T) = {tuple(q.shape[:3])} (one decay per head) or "
+                         f"(B, n_heads, T, d_k) = {tuple(q.shape)} (one per key channel); got {tuple(g.shape)}")
     for name, t, bad in (("beta", beta, "lie in [0, 1] (a step size)"), ("g", g, "be <= 0 (a log decay)")):
         if t is not None and t.isnan().any():
             raise ValueError(f"{name} holds NaN; it must {bad}")
@@ -79,8 +86,9 @@ def gated_delta_rule(
             them: then ``I - β k kᵀ`` never amplifies the state).
         v: ``(B, n_heads, T, d_v)``.
         beta: ``(B, n_heads, T)`` in [0, 1], the write strength of each token (used in q's dtype, as g).
-        g: ``(B, n_heads, T)`` log decays ``<= 0`` (``α_t = exp(g_t)``; ``-inf`` empties the state);
-            ``None`` = no gate (DeltaNet).
+        g: ``(B, n_heads, T)`` log decays ``<= 0`` (``α_t = exp(g_t)``; ``-inf`` empties the state),
+            or ``(B, n_heads, T, d_k)``: one log decay per key channel (``Diag(α_t)``, Kimi Delta
+            Attention); ``None`` = no gate (DeltaNet).
         mode: ``"recurrent"`` (one token at a time) or ``"chunked"``.
         chunk_size: positions per chunk (``"chunked"``), >= 1; checked in every mode.
         scale: query scale, a finite number; default ``1 / √d_k``.
@@ -113,6 +121,7 @@ def gated_delta_rule(
         S = initial_state.to(S)
     beta = beta.to(q.dtype)  # computed in q's dtype (under autocast the gates may come in float32)
     g = torch.zeros_like(beta) if g is None else g.to(q.dtype)
+    g = g if g.dim() == 4 else g.unsqueeze(-1)  # (B, h, T, w): w = 1 (one decay per head) or d_k (per channel)
     q = q * (d_k**-0.5 if scale is None else scale)
     step = _recurrent if mode == "recurrent" else _chunked
     out, S = step(q, k, v, beta, g, S, chunk_size)
@@ -124,7 +133,7 @@ def _recurrent(q, k, v, beta, g, S, chunk_size):
     outs = []
     for t in range(q.shape[2]):
         k_t, v_t, b_t = k[:, :, t], v[:, :, t], beta[:, :, t, None]  # (B, h, d_k), (B, h, d_v), (B, h, 1)
-        S = S * g[:, :, t, None, None].exp()  # forget: α_t S
+        S = S * g[:, :, t, :, None].exp()  # forget: Diag(α_t) S (one α_t for every row when w = 1)
         predicted = (k_t.unsqueeze(-1) * S).sum(-2)  # Sᵀ k_t: what the state returns for k_t, (B, h, d_v)
         S = S + k_t.unsqueeze(-1) * (b_t * (v_t - predicted)).unsqueeze(-2)  # + k_t (β_t (v_t - Sᵀk_t))ᵀ
         outs.append((q[:, :, t].unsqueeze(-1) * S).sum(-2))  # o_t = Sᵀ q_t
@@ -138,6 +147,8 @@ def _chunked(q, k, v, beta, g, S, C):
 
     so the rows u solve a unit lower-triangular system A U = β V - β e^{γ} K S_0 with
     A = I + strictly_lower(β (K Kᵀ ⊙ Γ)), Γ_rs = e^{γ_r-γ_s} (the UT transform: U = A⁻¹βV, W = A⁻¹ β e^γ K).
+    With one decay per channel, γ_r is a vector, e^{γ_r} S_0 is Diag(e^{γ_r}) S_0 and every product
+    a_r·b_s e^{γ_r-γ_s} becomes Σ_c a_rc b_sc e^{γ_rc-γ_sc} (:func:`_decayed_scores`).
     """
     B, h, T, d_k = q.shape
     dtype = q.dtype
@@ -148,25 +159,48 @@ def _chunked(q, k, v, beta, g, S, C):
     g = g.clamp(min=math.log(torch.finfo(g.dtype).tiny * torch.finfo(g.dtype).eps) - 1)
     C = min(C, T)  # a chunk longer than the sequence would only add padding
     pad = (C - T % C) % C  # padded positions: β = 0 (no write), g = 0 (no decay), sliced off at the end
-    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
+    q, k, v, g = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v, g))
+    beta = F.pad(beta, (0, pad))
     n = (T + pad) // C
-    q, k, v = (t.reshape(B, h, n, C, t.shape[-1]) for t in (q, k, v))  # (B, h, T, d) -> (B, h, n, C, d)
-    beta, g = beta.reshape(B, h, n, C, 1), g.reshape(B, h, n, C)
-    gamma = g.cumsum(-1)  # (B, h, n, C): log of the decay from the chunk's start to r
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    Gamma = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (.., C, C)
-    A = torch.eye(C, dtype=q.dtype, device=q.device) + (beta * (k @ k.transpose(-2, -1)) * Gamma).tril(-1)
-    rhs = torch.cat([beta * v, beta * gamma.exp()[..., None] * k], dim=-1)  # [β V, β e^γ K]: (.., C, d_v + d_k)
+    q, k, v, g = (t.reshape(B, h, n, C, t.shape[-1]) for t in (q, k, v, g))  # (B, h, T, d) -> (B, h, n, C, d)
+    beta = beta.reshape(B, h, n, C, 1)
+    gamma = g.cumsum(-2)  # (B, h, n, C, w): log of the decay from the chunk's start to r
+    A = torch.eye(C, dtype=q.dtype, device=q.device) + (beta * _decayed_scores(k, k, gamma)).tril(-1)
+    rhs = torch.cat([beta * v, beta * gamma.exp() * k], dim=-1)  # [β V, β e^γ ⊙ K]: (.., C, d_v + d_k)
     U, W = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split([v.shape[-1], d_k], -1)
-    QK = (q @ k.transpose(-2, -1)) * Gamma  # decayed causal scores inside the chunk, diagonal included
+    QK = _decayed_scores(q, k, gamma)  # decayed causal scores inside the chunk, diagonal included
     outs = []
     for i in range(n):  # the only sequential part: one state update per chunk
         new = U[:, :, i] - W[:, :, i] @ S  # the corrections u_r given the state entering the chunk
-        outs.append((q[:, :, i] * gamma[:, :, i, :, None].exp()) @ S + QK[:, :, i] @ new)
-        last = gamma[:, :, i, -1, None]  # (B, h, 1)
-        S = last[..., None].exp() * S + (k[:, :, i] * (last - gamma[:, :, i]).exp()[..., None]).transpose(-2, -1) @ new
+        outs.append((q[:, :, i] * gamma[:, :, i].exp()) @ S + QK[:, :, i] @ new)
+        last = gamma[:, :, i, -1:]  # (B, h, 1, w): the whole chunk's log decay
+        S = last.exp().transpose(-2, -1) * S + (k[:, :, i] * (last - gamma[:, :, i]).exp()).transpose(-2, -1) @ new
     return torch.cat(outs, dim=2)[:, :, :T].to(dtype), S.to(dtype)
+
+
+def _decayed_scores(a: torch.Tensor, b: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """``Σ_c a_rc b_sc e^{γ_rc - γ_sc}`` for ``s <= r``, 0 above: ``(.., C, d) x2, (.., C, w) -> (.., C, C)``.
+
+    With ``w = 1`` (one decay per head) the decay leaves the sum: ``(a bᵀ) ⊙ e^{γ_r - γ_s}``. With
+    ``w = d`` every channel has its own; the exponents are formed as differences (never ``e^{-γ_s}``
+    alone, which overflows in a long chunk), at the price of a ``(C, C, d)`` tensor.
+    """
+    C = gamma.shape[-2]
+    causal = torch.ones(C, C, dtype=torch.bool, device=gamma.device).tril()
+    diff = gamma[..., :, None, :] - gamma[..., None, :, :]  # (.., C, C, w): γ_r - γ_s, > 0 above the diagonal
+    decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()
+    if gamma.shape[-1] == 1:
+        return (a @ b.transpose(-2, -1)) * decay[..., 0]
+    return torch.einsum("...rc,...sc,...rsc->...rs", a, b, decay)
+
+
+def decay_parameters(n_heads: int, n_rates: int) -> tuple[nn.Parameter, nn.Parameter]:
+    """Mamba-2's decay parameters as ``fla`` initialises them: ``A_log`` ``(n_heads,)`` with
+    ``A ~ U(1, 16)``, and ``dt_bias`` ``(n_rates,)`` with ``softplus(dt_bias) = dt``, ``log dt ~ U(log 1e-3, log 1e-1)``.
+    The log decay is then ``g = -exp(A_log) · softplus(a + dt_bias)`` (one rate per head, or per channel)."""
+    A = torch.empty(n_heads).uniform_(1, 16)
+    dt = torch.exp(torch.empty(n_rates).uniform_(math.log(1e-3), math.log(1e-1)))
+    return nn.Parameter(A.log()), nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus of dt
 
 
 class GatedDeltaNet(RecurrentLayer):
@@ -200,10 +234,7 @@ class GatedDeltaNet(RecurrentLayer):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.gate = nn.Linear(d_model, d_model, bias=False)  # z: the output gate
         self.beta_decay = nn.Linear(d_model, 2 * n_heads, bias=False)  # b and a, one each per head
-        A = torch.empty(n_heads).uniform_(1, 16)  # fla's initialisation
-        dt = torch.exp(torch.empty(n_heads).uniform_(math.log(1e-3), math.log(1e-1)))
-        self.A_log = nn.Parameter(A.log())
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+        self.A_log, self.dt_bias = decay_parameters(n_heads, n_heads)
         self.norm_weight = nn.Parameter(torch.ones(self.head_dim))
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
