@@ -126,6 +126,10 @@ def test_dsa_layer_equals_transformers(top_k, bias):
     with torch.no_grad():
         expected, _ = ref(x, *hf_inputs(config, x)[:2])
         assert (ours(x) - expected).abs().max() <= TOL32
+        ours.attn_fn = "sdpa"  # the same mask through SDPA
+        assert (ours(x, positions=torch.arange(12).expand(2, 12)) - expected).abs().max() <= TOL32
+        _, weights = ours(x, return_weights=True)  # (B, h, T, T): no weight outside the chosen keys
+        assert ((weights > 0).sum(-1) <= top_k).all()
         dense = DeepSeekLatentAttention(32, 4, **ours_kwargs(config, dense=True)).eval()
         copy_into(dense, ref)
         assert (dense(x) - expected).abs().max() > 1e-3  # top-k changed the output: the test can fail
