@@ -269,3 +269,13 @@ def test_bad_shapes_name_the_argument():
         MoBAAttention(32, 4, moba_chunk_size=4, moba_topk=2)(torch.randn(2, 5, 31))
     with pytest.raises(TypeError, match="compress_k must be callable"):
         nsa_attention(q, k, v, gates, None, cv, **NSA)
+
+
+@pytest.mark.parametrize("layer", [NativeSparseAttention(32, 4, **NSA), MoBAAttention(32, 4, moba_chunk_size=4, moba_topk=2)])
+def test_layers_refuse_what_they_do_not_support(layer):
+    x = torch.randn(1, 8, 32)
+    with pytest.raises(ValueError, match=r"without masks, caches or weights; got \['mask'\]"):
+        layer(x, mask=torch.ones(1, 1, 8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"got \['context', 'return_weights'\]"):
+        layer(x, x, return_weights=True)
+    assert layer(x).shape == (1, 8, 32)

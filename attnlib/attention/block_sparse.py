@@ -33,6 +33,7 @@ __all__ = [
     "MoBAAttention",
     "attend_gathered",
     "check_self_attention",
+    "refuse_forward_options",
     "choose_blocks_readable",
     "gather_blocks",
     "moba_attention",
@@ -49,6 +50,15 @@ def check_self_attention(q, k, v, scale) -> None:
         raise ValueError(f"q, k, v must be 4-D (B, n_heads, T, head_dim); got q {tuple(q.shape)}")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"self-attention needs T_q == T_k; got q {tuple(q.shape)} and k {tuple(k.shape)}")
+
+
+def refuse_forward_options(layer: str, context, mask, attention_mask, cache, return_weights) -> None:
+    """Raise ValueError naming what a block-sparse layer's ``forward`` does not take yet (same signature as
+    :meth:`MultiHeadAttention.forward`): a context, mask, padding mask, cache or returned weights."""
+    given = [name for name, value in (("context", context), ("mask", mask), ("attention_mask", attention_mask),
+                                      ("cache", cache)) if value is not None] + (["return_weights"] if return_weights else [])
+    if given:
+        raise ValueError(f"{layer} is causal self-attention without masks, caches or weights; got {given}")
 
 
 def choose_blocks_readable(scores: torch.Tensor, allowed: torch.Tensor, forced: torch.Tensor, n: int) -> torch.Tensor:
@@ -220,8 +230,11 @@ class MoBAAttention(MultiHeadAttention):
         super().__init__(d_model, n_heads, n_kv_heads, **kwargs)
         self.moba_chunk_size, self.moba_topk, self.blocked = moba_chunk_size, moba_topk, bool(blocked)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """``(B, T, d_model)`` → ``(B, T, d_model)``; ``positions`` ``(B, T)`` for RoPE (default ``0 … T-1``)."""
+    def forward(self, x: torch.Tensor, context=None, *, mask=None, attention_mask=None, cache=None,
+                positions: torch.Tensor | None = None, return_weights: bool = False) -> torch.Tensor:
+        """``(B, T, d_model)`` → ``(B, T, d_model)``; ``positions`` ``(B, T)`` for RoPE (default ``0 … T-1``).
+        :meth:`MultiHeadAttention.forward`'s signature; ValueError for the other arguments (not supported)."""
+        refuse_forward_options(type(self).__name__, context, mask, attention_mask, cache, return_weights)
         check_layer_inputs(self, x, None, None, None, None, positions)
         q, k, v = self.project(x, None, None, positions)  # (B, H, T, hd), (B, n_kv, T, hd) x 2
         fn = moba_attention if self.blocked else moba_attention_reference

@@ -36,6 +36,7 @@ from attnlib.attention.block_sparse import (
     check_self_attention,
     choose_blocks_readable,
     gather_blocks,
+    refuse_forward_options,
     select_blocks,
 )
 from attnlib.attention.functions import attention
@@ -257,8 +258,11 @@ class NativeSparseAttention(MultiHeadAttention):
         self.gate_proj = nn.Linear(d_model, 3 * n_heads)
         self.blocked = bool(blocked)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """``(B, T, d_model)`` → ``(B, T, d_model)``; ``positions`` ``(B, T)`` for RoPE (default ``0 … T-1``)."""
+    def forward(self, x: torch.Tensor, context=None, *, mask=None, attention_mask=None, cache=None,
+                positions: torch.Tensor | None = None, return_weights: bool = False) -> torch.Tensor:
+        """``(B, T, d_model)`` → ``(B, T, d_model)``; ``positions`` ``(B, T)`` for RoPE (default ``0 … T-1``).
+        :meth:`MultiHeadAttention.forward`'s signature; ValueError for the other arguments (not supported)."""
+        refuse_forward_options(type(self).__name__, context, mask, attention_mask, cache, return_weights)
         check_layer_inputs(self, x, None, None, None, None, positions)
         q, k, v = self.project(x, None, None, positions)  # (B, H, T, hd), (B, n_kv, T, hd) x 2
         B, T, _ = x.shape
