@@ -1,8 +1,8 @@
 """DeepSeek-V4's compressed attention (chapter 21): attnlib's CompressedAttention ≡ transformers' DeepseekV4Attention.
 
 A tiny ``DeepseekV4Config`` built locally (no download), its three layer types (sliding, compressed sparse
-with m = 4 and an indexer keeping 2 entries, heavily compressed with m = 8); only the attention module is
-compared (a V4 decoder layer's hyper-connections and mixture of experts are not built in attnlib). Outputs
+with m = 4 and an indexer keeping 2 entries, heavily compressed with m = 8), plain RoPE and YaRN; only the
+attention module is compared (a V4 decoder layer's hyper-connections and mixture of experts are not built in attnlib). Outputs
 and input gradients within 1e-5 in float32 (measured about 1e-6); the cache: one token at a time and a prompt
 in two chunks (cut inside a group) ≡ one pass; compression with m = 1 ≡ full attention; causality.
 """
@@ -34,8 +34,12 @@ SIZES = dict(q_lora_rank=24, rope_head_dim=8, o_groups=2, o_lora_rank=8, sliding
              index_head_dim=8, index_topk=2)
 
 
-def tiny_config() -> DeepseekV4Config:
-    config = DeepseekV4Config(
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+        "beta_slow": 1.0}  # V4 ships YaRN on its compressed layers (factor 16); here with a tiny context
+
+
+def tiny_config(**overrides) -> DeepseekV4Config:
+    config = DeepseekV4Config(**overrides,
         vocab_size=32, hidden_size=32, num_attention_heads=4, head_dim=16, q_lora_rank=24, partial_rotary_factor=0.5,
         sliding_window=6, o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=8, index_topk=2,
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, num_hidden_layers=3,
@@ -71,12 +75,14 @@ def ours(layer_type: str, seed: int = 0, **overrides) -> CompressedAttention:
     return layer.eval()
 
 
+@pytest.mark.parametrize("rope", ["default", "yarn"])
 @pytest.mark.parametrize("layer", range(3), ids=TYPES)
-def test_outputs_and_gradients_equal_transformers(layer):
-    config = tiny_config()
+def test_outputs_and_gradients_equal_transformers(layer, rope):
+    config = tiny_config(**({} if rope == "default" else dict(rope_parameters=dict(YARN), max_position_embeddings=256)))
     theirs = hf_layer(config, layer)
     mine = from_hf_deepseek_v4_attention(theirs)
     assert mine.layer_type == TYPES[layer] and mine.compress_rate == [None, 4, 8][layer]
+    assert (mine.rope.rope_scaling is not None) == (rope == "yarn" and layer > 0)  # sliding layers: plain RoPE
     x = torch.randn(2, 23, 32, generator=torch.Generator().manual_seed(1))  # 23: a partial group at the end
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     ref, out = hf_forward(theirs, config, x1), mine(x2)
@@ -237,3 +243,5 @@ def test_bad_inputs_are_refused_naming_the_argument():
         compressed_cache_bytes(0)
     with pytest.raises(TypeError, match="dtype"):
         mla_cache_bytes(4, dtype="bf16")
+    with pytest.raises(ValueError, match="module must be a transformers DeepseekV4Attention"):
+        from_hf_deepseek_v4_attention(torch.nn.Linear(2, 2))

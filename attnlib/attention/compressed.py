@@ -117,7 +117,7 @@ class Compressor(nn.Module):
     """
 
     def __init__(self, d_model: int, head_dim: int, compress_rate: int, *, overlap: bool, rope_head_dim: int,
-                 rope_theta: float, eps: float) -> None:
+                 rope_theta: float, eps: float, rope_scaling: dict | None = None) -> None:
         super().__init__()
         width = (2 if overlap else 1) * head_dim
         self.compress_rate, self.overlap, self.head_dim = compress_rate, overlap, head_dim
@@ -125,7 +125,7 @@ class Compressor(nn.Module):
         self.gate_proj = nn.Linear(d_model, width, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(compress_rate, width))
         self.kv_norm = RMSNorm(head_dim, eps=eps)
-        self.rope = RotaryEmbedding(rope_head_dim, rope_theta)
+        self.rope = RotaryEmbedding(rope_head_dim, rope_theta, rope_scaling)  # only its angles: no YaRN factor
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(C, Z)``, each ``(B, T, (1 or 2)·head_dim)``."""
@@ -179,7 +179,8 @@ class CompressedAttention(nn.Module):
             (not in V4; full attention, for checks).
         compress_rate: ``m`` (default 4 for CSA, 128 for HCA); index_n_heads, index_head_dim, index_topk:
             CSA's indexer (``index_topk`` entries per query).
-        rope_theta: RoPE base of sliding layers; compress_rope_theta: of CSA / HCA layers (and their entries).
+        rope_theta: RoPE base of sliding layers; compress_rope_theta: of CSA / HCA layers (and their entries);
+            compress_rope_scaling: their scaling (``transformers``' dict; V4: YaRN, its cos/sin factor kept at 1).
         eps: RMSNorm's; attn_fn: an attention function with ``sinks`` (``"eager"``, ``"tiled"``, ``"flash"``).
 
     Attributes: ``transformers``' names (``q_a_proj``, ``q_a_norm``, ``q_b_proj``, ``kv_proj``, ``kv_norm``,
@@ -198,7 +199,8 @@ class CompressedAttention(nn.Module):
                  q_lora_rank: int, rope_head_dim: int, o_groups: int, o_lora_rank: int,
                  sliding_window: int | None = 128, compress_rate: int | None = None, index_n_heads: int = 64,
                  index_head_dim: int = 128, index_topk: int = 512, rope_theta: float = 10000.0,
-                 compress_rope_theta: float = 160000.0, eps: float = 1e-6, attn_fn: str = "eager") -> None:
+                 compress_rope_theta: float = 160000.0, compress_rope_scaling: dict | None = None, eps: float = 1e-6,
+                 attn_fn: str = "eager") -> None:
         super().__init__()
         if layer_type not in LAYER_TYPES:
             raise ValueError(f"layer_type={layer_type!r} is not one of {LAYER_TYPES}")
@@ -234,9 +236,9 @@ class CompressedAttention(nn.Module):
         self.o_a_proj = nn.Linear(n_heads * head_dim // o_groups, o_groups * o_lora_rank, bias=False)
         self.o_b_proj = nn.Linear(o_groups * o_lora_rank, d_model, bias=False)
         self.sinks = nn.Parameter(torch.zeros(n_heads))
-        theta = rope_theta if self.compress_rate is None else compress_rope_theta
-        self.rope, self.eps = RotaryEmbedding(rope_head_dim, theta), eps
-        rope = dict(rope_head_dim=rope_head_dim, rope_theta=compress_rope_theta, eps=eps)
+        rope = dict(rope_head_dim=rope_head_dim, rope_theta=compress_rope_theta, rope_scaling=compress_rope_scaling)
+        local = (rope_theta, None) if self.compress_rate is None else (compress_rope_theta, compress_rope_scaling)
+        self.rope, self.eps, rope["eps"] = RotaryEmbedding(rope_head_dim, *local), eps, eps
         self.compressor = self.indexer = None
         if self.compress_rate:
             self.compressor = Compressor(d_model, head_dim, compress_rate, overlap=sparse, **rope)

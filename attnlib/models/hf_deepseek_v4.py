@@ -19,16 +19,19 @@ def compressed_attention_kwargs(config, layer_type: str) -> dict:
     """:class:`CompressedAttention`'s arguments from a ``DeepseekV4Config`` for a layer of ``layer_type``.
 
     Raises:
-        ValueError: ``layer_type`` not one of V4's; a RoPE other than the default (``rope_parameters``:
-            V4's YaRN on compressed layers is not reproduced here); ``num_key_value_heads != 1``.
+        ValueError: ``layer_type`` not one of V4's; a RoPE other than the default (``rope_parameters``; YaRN
+            allowed on the compressed layers, as V4 ships it); ``num_key_value_heads != 1``.
     """
     if layer_type not in LAYER_TYPES:
         raise ValueError(f"layer_type={layer_type!r} is not one of {LAYER_TYPES}")
     rope = config.rope_parameters
-    for label in ("main", "compress"):
+    for label, allowed in (("main", ("default",)), ("compress", ("default", "yarn"))):
         kind = rope[label].get("rope_type", "default")
-        if kind != "default":
-            raise ValueError(f"rope_parameters[{label!r}] rope_type={kind!r}: only the default RoPE is reproduced")
+        if kind not in allowed:
+            raise ValueError(f"rope_parameters[{label!r}] rope_type={kind!r}: only {allowed} are reproduced")
+    scaling = None
+    if rope["compress"].get("rope_type") == "yarn":  # attnlib's RoPE takes the scaling alone (its angles only)
+        scaling = {k: v for k, v in rope["compress"].items() if k not in ("rope_theta", "partial_rotary_factor")}
     if config.num_key_value_heads != 1:
         raise ValueError(f"num_key_value_heads={config.num_key_value_heads}: V4 shares one key/value head")
     return dict(layer_type=layer_type, q_lora_rank=config.q_lora_rank, rope_head_dim=config.qk_rope_head_dim,
@@ -36,7 +39,7 @@ def compressed_attention_kwargs(config, layer_type: str) -> dict:
                 compress_rate=config.compress_rates.get(layer_type), index_n_heads=config.index_n_heads,
                 index_head_dim=config.index_head_dim, index_topk=config.index_topk,
                 rope_theta=float(rope["main"]["rope_theta"]), compress_rope_theta=float(rope["compress"]["rope_theta"]),
-                eps=config.rms_norm_eps)
+                compress_rope_scaling=scaling, eps=config.rms_norm_eps)
 
 
 def from_hf_deepseek_v4_attention(module: torch.nn.Module) -> CompressedAttention:
