@@ -9,8 +9,10 @@
   chapters 04, 06, 09, 16, 17), :class:`TalkingHeadsAttention` (05), :class:`MultiHeadLatentAttention`
   (07), the single heads of chapters 02–04 (:mod:`~attnlib.attention.teaching`), and chapter 18's
   :class:`LinearAttention`, :class:`GatedDeltaNet`, :class:`GatedAttention`, :class:`TopKAttention`; chapter 20's
-  :class:`DifferentialAttention`; chapter 21's :class:`KimiDeltaAttention` (:func:`kimi_delta_rule`).
+  :class:`DifferentialAttention`; chapter 21's :class:`KimiDeltaAttention` (:func:`kimi_delta_rule`),
+  :class:`CompressedAttention` (DeepSeek-V4's CSA / HCA).
 """
+from attnlib.attention.compressed import CompressedAttention
 from attnlib.attention.deltanet import GatedDeltaNet, gated_delta_rule
 from attnlib.attention.differential import DifferentialAttention, lambda_init_schedule
 from attnlib.attention.flash import flash_attention
@@ -40,6 +42,7 @@ __all__ = [
     "KV_SHARING",
     "BiasedTalkingHeadsAttention",
     "CausalAttention",
+    "CompressedAttention",
     "DifferentialAttention",
     "GatedAttention",
     "GatedDeltaNet",

@@ -16,9 +16,13 @@
 * :class:`H2OLayerCache`, :class:`SnapKVLayerCache` (:mod:`~attnlib.cache.eviction`): keys kept by their
   attention, a fixed budget per head (H2O, Zhang et al. 2023; SnapKV, Li et al. 2024; :meth:`KVCache.eviction`;
   chapter 17);
+* :class:`CompressedLayerCache` (:mod:`~attnlib.cache.compressed`): a window, compressed entries every m tokens
+  and the pending group (DeepSeek-V4's CSA / HCA; :func:`compressed_cache_bytes` against :func:`mla_cache_bytes`;
+  chapter 21);
 * :class:`KVCache` (:mod:`~attnlib.cache.model`): one of the above per layer of a decoder;
 * :func:`kv_cache_bytes` (:mod:`~attnlib.cache.memory`): the memory a cache will need, before allocating it.
 """
+from attnlib.cache.compressed import CompressedLayerCache, compressed_cache_bytes, mla_cache_bytes
 from attnlib.cache.eviction import H2OLayerCache, SnapKVLayerCache
 from attnlib.cache.layer import LayerCache
 from attnlib.cache.memory import kv_cache_bytes, layer_cache_lengths, layer_windows
@@ -32,6 +36,7 @@ from attnlib.cache.windowed import ChunkedLayerCache, RingLayerCache, SinkLayerC
 
 __all__ = [
     "ChunkedLayerCache",
+    "CompressedLayerCache",
     "ForwardLayerCache",
     "H2OLayerCache",
     "Int8LayerCache",
@@ -48,8 +53,10 @@ __all__ = [
     "SharedLayerCache",
     "SinkLayerCache",
     "SnapKVLayerCache",
+    "compressed_cache_bytes",
     "forward_caches",
     "kv_cache_bytes",
     "layer_cache_lengths",
     "layer_windows",
+    "mla_cache_bytes",
 ]
