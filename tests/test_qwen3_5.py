@@ -201,3 +201,24 @@ BASE = dict(vocab_size=50, n_layers=4, n_heads=4, n_kv_heads=2, d_model=64, head
 def test_bad_fields_are_refused_by_name(fields, error, words):
     with pytest.raises(error, match=words):
         DecoderConfig.llama(**{**BASE, **fields})
+
+
+@pytest.mark.parametrize("options, error, words", [
+    (dict(n_v_heads=3), ValueError, "n_v_heads"),  # not a multiple of n_heads = 2
+    (dict(conv_size=0), ValueError, "conv_size"),
+    (dict(head_k_dim=2.5), TypeError, "head_k_dim"),
+    (dict(l2norm="l1"), ValueError, "l2norm='l1'"),
+    (dict(norm_eps=0.0), ValueError, "norm_eps"),
+])
+def test_gated_deltanet_bad_options_are_refused_by_name(options, error, words):
+    with pytest.raises(error, match=words):
+        attnlib.attention.GatedDeltaNet(64, 2, **options)
+
+
+def test_gated_deltanet_defaults_are_chapter_18s_layer():
+    """Without Qwen's options the layer has chapter 18's parameters (no convolution, one head width)."""
+    layer = attnlib.attention.GatedDeltaNet(64, 4)
+    assert layer.conv1d is None and (layer.n_v_heads, layer.head_k_dim, layer.head_v_dim) == (4, 16, 16)
+    assert {n: tuple(p.shape) for n, p in layer.named_parameters()} == {
+        "qkv.weight": (192, 64), "qkv.bias": (192,), "gate.weight": (64, 64), "beta_decay.weight": (8, 64),
+        "A_log": (4,), "dt_bias": (4,), "norm_weight": (16,), "out_proj.weight": (64, 64), "out_proj.bias": (64,)}
