@@ -62,7 +62,8 @@ def test_logits_equal(pair):
         expected = hf(idx).logits
         logits, _ = ours(idx)
     assert expected.abs().max() > 1.0  # logits of some size: a 1e-5 agreement means something
-    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)  # measured: max |Δ| ~ 1e-6
+    # measured: max |Δ| 7.9e-6 / 1.7e-6 at logits up to 3.3 / 3.9 (float32 rounding; both chunk the delta rule)
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_every_weight_is_loaded(pair):
@@ -98,7 +99,7 @@ def test_cached_one_token_at_a_time_equals_one_pass(pair):
     with torch.no_grad():
         whole, _ = ours(idx)
         steps = torch.cat([ours(idx[:, i:i + 1], cache=cache)[0] for i in range(idx.shape[1])], dim=1)
-    torch.testing.assert_close(steps, whole, atol=1e-10, rtol=0)  # measured: max |Δ| ~ 4e-14
+    torch.testing.assert_close(steps, whole, atol=1e-10, rtol=0)  # measured: max |Δ| ~ 1e-13
     first_linear = c.layer_types.index("linear_attention")
     S, conv = cache.layers[first_linear].state  # the delta rule's state and the convolution's last inputs
     channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
