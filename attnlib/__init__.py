@@ -44,6 +44,7 @@ from attnlib.models import (
     from_hf_llama,
     from_hf_mistral,
     from_hf_qwen3,
+    from_hf_qwen3_5,
     from_hf_smollm3,
 )
 from attnlib.positional import (
@@ -90,6 +91,7 @@ __all__ = [
     "from_hf_llama",
     "from_hf_mistral",
     "from_hf_qwen3",
+    "from_hf_qwen3_5",
     "from_hf_smollm3",
     "generation",
     "kv_cache_bytes",

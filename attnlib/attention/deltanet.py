@@ -1,4 +1,5 @@
-"""Gated DeltaNet (Yang, Kautz & Hatamizadeh 2024), the linear-attention layer of Qwen3-Next. Chapter 18.
+"""Gated DeltaNet (Yang, Kautz & Hatamizadeh 2024), the linear-attention layer of Qwen3-Next and Qwen3.5.
+Chapters 18 and 21.
 
 Linear attention only adds to its state ``S`` (``d_k × d_v`` per head). The *delta rule*
 (Schlag et al. 2021; Yang et al. 2024, "Parallelizing linear transformers with the delta rule")
@@ -12,7 +13,8 @@ with a step size ``β_t ∈ (0, 1)``; the *gate* ``α_t = exp(g_t) ∈ (0, 1]`` 
 library; the paper writes its transpose). :func:`gated_delta_rule` computes it token by token
 (``"recurrent"``) or chunk by chunk (``"chunked"``: inside a chunk the updates are folded into
 matrix products by the WY/UT representation of Yang et al. 2024, NeurIPS, as in ``fla``'s
-``chunk_gated_delta_rule``). :class:`GatedDeltaNet` is the layer.
+``chunk_gated_delta_rule``). :class:`GatedDeltaNet` is the layer; chapter 21 gives it what Qwen3-Next and
+Qwen3.5 add (a short causal convolution over q, k, v, grouped value heads, head widths of their own).
 
 The gate may also be one decay per key channel, ``α_t ∈ (0, 1]^{d_k}`` (Kimi Delta Attention,
 chapter 21, :mod:`attnlib.attention.kda`): the state decays first, each row at its own rate, then
@@ -204,64 +206,128 @@ def decay_parameters(n_heads: int, n_rates: int) -> tuple[nn.Parameter, nn.Param
 
 
 class GatedDeltaNet(RecurrentLayer):
-    """A gated DeltaNet layer with the GPT block's attention interface (Qwen3-Next's linear layer). Chapter 18.
+    """A gated DeltaNet layer with the GPT block's attention interface (Qwen3-Next's and Qwen3.5's linear layer).
+    Chapters 18 and 21.
 
-    ``x → q, k, v`` (one fused projection; q and k L2-normalised per head), ``β = σ(W_b x)``,
+    ``x → q, k, v`` (one fused projection; with ``conv_size``, a short causal depthwise convolution and SiLU
+    over the three, as Qwen3-Next and Qwen3.5; q and k L2-normalised per head), ``β = σ(W_b x)``,
     ``g = -exp(A_log) · softplus(W_a x + dt_bias)`` (Mamba-2's decay, as Qwen3-Next), then
-    :func:`gated_delta_rule`, a per-head RMSNorm gated by ``SiLU(W_z x)``, and ``out_proj``.
-    Left out from Qwen3-Next: the short causal convolution on q, k, v and grouped value heads.
+    :func:`gated_delta_rule`, a per-head RMSNorm gated by ``SiLU(W_z x)`` (Qwen's ``RMSNormGated``), and
+    ``out_proj``. With ``n_v_heads > n_heads`` each query/key head serves ``n_v_heads / n_heads`` consecutive
+    value heads (grouped value heads, as GQA groups query heads); the state is ``(B, n_v_heads, head_k_dim,
+    head_v_dim)``. Chapter 18's layer is the default: no convolution, ``head_k_dim = head_v_dim = d_model //
+    n_heads``, as many value heads as query/key heads.
 
     Args:
-        d_model, n_heads: ``n_heads`` divides ``d_model``; head width ``d_model // n_heads``.
-        block_size: longest sequence (``None``: no limit). dropout: on the output, in [0, 1).
+        d_model, n_heads: width and query/key heads (``n_heads`` divides ``d_model`` unless both head widths are
+            given). block_size: longest sequence (``None``: no limit). dropout: on the output, in [0, 1).
         bias: biases on ``qkv`` and ``out_proj``. chunk_size: for the chunked form (T > 1).
+        n_v_heads: value heads (default ``n_heads``), a multiple of ``n_heads``.
+        head_k_dim, head_v_dim: query/key and value head widths (default ``d_model // n_heads``).
+        conv_size: ``None`` or the kernel of the short causal convolution (transformers' ``linear_conv_kernel_dim``;
+            its last ``conv_size - 1`` inputs join the recurrent state).
+        norm_eps: the gated RMSNorm's epsilon. l2norm: ``"clamp"`` (``x / max(‖x‖, 10⁻⁶)``, torch's
+            ``F.normalize``, chapter 18) or ``"fla"`` (``x / √(‖x‖² + 10⁻⁶)``, fla's and transformers' ``l2norm``).
+
+    Attributes:
+        qkv: ``nn.Linear(d_model, 2 · n_heads · head_k_dim + n_v_heads · head_v_dim)``, rows ``[W_q; W_k; W_v]``.
+        conv1d: ``nn.Conv1d`` over those channels, depthwise, no bias (weight ``(channels, 1, conv_size)``), or None.
+        gate: ``W_z`` to ``n_v_heads · head_v_dim``. beta_decay: ``[W_b; W_a]``, ``2 · n_v_heads`` rows.
+        A_log, dt_bias: ``(n_v_heads,)``. norm_weight: ``(head_v_dim,)``. out_proj: back to ``d_model``.
+
+    Shapes: ``(B, T, d_model)`` → ``(B, T, d_model)``.
 
     Raises:
-        TypeError / ValueError: a size that is not a positive int, ``d_model`` not divisible by ``n_heads``.
+        TypeError / ValueError: a size that is not a positive int, ``d_model`` not divisible by ``n_heads`` (head
+            widths not given), ``n_v_heads`` not a multiple of ``n_heads``, an unknown ``l2norm``, a bad ``norm_eps``.
     """
 
     def __init__(self, d_model: int, n_heads: int, *, block_size: int | None = None, dropout: float = 0.0,
-                 bias: bool = True, chunk_size: int = 64) -> None:
+                 bias: bool = True, chunk_size: int = 64, n_v_heads: int | None = None, head_k_dim: int | None = None,
+                 head_v_dim: int | None = None, conv_size: int | None = None, norm_eps: float = 1e-6,
+                 l2norm: str = "clamp") -> None:
         super().__init__()
         for name, value in (("d_model", d_model), ("n_heads", n_heads), ("chunk_size", chunk_size)):
             positive_int(name, value)
-        if block_size is not None:
-            positive_int("block_size", block_size)
-        divisible("d_model", d_model, "n_heads", n_heads)
+        for name, value in (("block_size", block_size), ("n_v_heads", n_v_heads), ("head_k_dim", head_k_dim),
+                            ("head_v_dim", head_v_dim), ("conv_size", conv_size)):
+            if value is not None:
+                positive_int(name, value)
+        if head_k_dim is None or head_v_dim is None:
+            divisible("d_model", d_model, "n_heads", n_heads)
+        n_v_heads = n_heads if n_v_heads is None else n_v_heads
+        divisible("n_v_heads", n_v_heads, "n_heads", n_heads)
         probability("dropout", dropout)
-        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
-        self.block_size, self.chunk_size = block_size, chunk_size
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
-        self.gate = nn.Linear(d_model, d_model, bias=False)  # z: the output gate
-        self.beta_decay = nn.Linear(d_model, 2 * n_heads, bias=False)  # b and a, one each per head
-        self.A_log, self.dt_bias = decay_parameters(n_heads, n_heads)
-        self.norm_weight = nn.Parameter(torch.ones(self.head_dim))
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        if finite_number("norm_eps", norm_eps) <= 0:
+            raise ValueError(f"norm_eps={norm_eps!r} must be > 0")
+        if l2norm not in ("clamp", "fla"):
+            raise ValueError(f"l2norm={l2norm!r} is not one of ('clamp', 'fla')")
+        self.d_model, self.n_heads, self.n_v_heads = d_model, n_heads, n_v_heads
+        self.head_k_dim = d_model // n_heads if head_k_dim is None else head_k_dim
+        self.head_v_dim = d_model // n_heads if head_v_dim is None else head_v_dim
+        self.head_dim = self.head_k_dim  # chapter 18's name (one width for all)
+        self.block_size, self.chunk_size, self.norm_eps, self.l2norm = block_size, chunk_size, norm_eps, l2norm
+        self.key_dim, self.value_dim = n_heads * self.head_k_dim, n_v_heads * self.head_v_dim
+        self.qkv = nn.Linear(d_model, 2 * self.key_dim + self.value_dim, bias=bias)
+        self.gate = nn.Linear(d_model, self.value_dim, bias=False)  # z: the output gate
+        self.beta_decay = nn.Linear(d_model, 2 * n_v_heads, bias=False)  # b and a, one each per value head
+        self.A_log, self.dt_bias = decay_parameters(n_v_heads, n_v_heads)
+        self.norm_weight = nn.Parameter(torch.ones(self.head_v_dim))
+        self.out_proj = nn.Linear(self.value_dim, d_model, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
+        channels = 2 * self.key_dim + self.value_dim
+        self.conv1d = None if conv_size is None else nn.Conv1d(channels, channels, conv_size, groups=channels, bias=False)
 
     def state_bytes(self, dtype: torch.dtype | None = None) -> int:
-        """Bytes of the state of one sequence: ``n_heads · head_dim²`` numbers."""
+        """Bytes of the state of one sequence: ``n_v_heads · head_k_dim · head_v_dim`` numbers, and the
+        convolution's last ``conv_size - 1`` inputs of every channel."""
         dtype = dtype or self.out_proj.weight.dtype
-        return self.n_heads * self.head_dim**2 * torch.empty((), dtype=dtype).element_size()
+        conv = 0 if self.conv1d is None else self.conv1d.in_channels * (self.conv1d.kernel_size[0] - 1)
+        return (self.n_v_heads * self.head_k_dim * self.head_v_dim + conv) * torch.empty((), dtype=dtype).element_size()
+
+    def short_conv(self, mixed: torch.Tensor, past: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``SiLU(causal depthwise conv)`` of ``mixed (B, T, channels)``, continuing ``past (B, channels, K - 1)``
+        (the inputs before, zeros at the start); returns ``(B, T, channels)`` and the new ``past``."""
+        B, T, C = mixed.shape
+        K = self.conv1d.kernel_size[0]
+        past = mixed.new_zeros(B, C, K - 1) if past is None else past
+        padded = torch.cat([past, mixed.transpose(1, 2)], dim=-1)  # (B, C, K - 1 + T)
+        w = self.conv1d.weight  # (C, 1, K): output t is Σ_j w[c, 0, j] · x[c, t - K + 1 + j], inputs t-K+1 .. t
+        if T == 1:  # a decoding step: one dot product with the last K inputs of each channel
+            out = (padded * w[:, 0]).sum(-1, keepdim=True)  # (B, C, K) -> (B, C, 1)
+        else:  # a sequence: the depthwise convolution (transformers' causal_conv1d_fn)
+            out = F.conv1d(padded, w, groups=C)  # (B, C, T)
+        return F.silu(out).transpose(1, 2), padded[..., padded.shape[-1] - (K - 1):]
+
+    def _normalize(self, t: torch.Tensor) -> torch.Tensor:
+        if self.l2norm == "fla":
+            return t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6)
+        return F.normalize(t, dim=-1, eps=1e-6)
 
     def forward(self, x: torch.Tensor, *, cache: RecurrentState | None = None, attention_mask: None = None,
                 positions: None = None, return_weights: bool = False) -> torch.Tensor:
-        """``(B, T, d_model)`` → ``(B, T, d_model)``; with a cache, continue the cached sequence."""
+        """``(B, T, d_model)`` → ``(B, T, d_model)``; with a cache, continue the cached sequence (its state holds
+        ``S (B, n_v_heads, head_k_dim, head_v_dim)``, and with a convolution its last inputs)."""
         B, T = check_recurrent_input(self, x, cache, return_weights, attention_mask, positions, "a gated DeltaNet layer")
 
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, T, h * hd) -> (B, h, T, hd)
+        def heads(t: torch.Tensor, n: int) -> torch.Tensor:
+            return t.view(B, T, n, t.shape[-1] // n).transpose(1, 2)  # (B, T, n * hd) -> (B, n, T, hd)
 
-        q, k, v = (heads(t) for t in self.qkv(x).split(self.d_model, dim=-1))
-        q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
-        b, a = self.beta_decay(x).transpose(1, 2).chunk(2, dim=1)  # (B, 2h, T) -> 2 x (B, h, T)
-        beta = b.sigmoid()
-        g = -self.A_log.exp()[:, None] * F.softplus(a + self.dt_bias[:, None])  # (B, h, T), <= 0
         state = None if cache is None else cache.read()
+        mixed, conv_state = self.qkv(x), None
+        if self.conv1d is not None:
+            mixed, conv_state = self.short_conv(mixed, None if state is None else state[1])
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k, v = self._normalize(heads(q, self.n_heads)), self._normalize(heads(k, self.n_heads)), heads(v, self.n_v_heads)
+        if self.n_v_heads != self.n_heads:  # each q/k head serves a group of consecutive value heads
+            q, k = (t.repeat_interleave(self.n_v_heads // self.n_heads, dim=1) for t in (q, k))
+        b, a = self.beta_decay(x).transpose(1, 2).chunk(2, dim=1)  # (B, 2 h_v, T) -> 2 x (B, h_v, T)
+        beta = b.sigmoid()
+        g = -self.A_log.exp()[:, None] * F.softplus(a + self.dt_bias[:, None])  # (B, h_v, T), <= 0
         y, S = gated_delta_rule(q, k, v, beta, g, "recurrent" if T == 1 else "chunked", chunk_size=self.chunk_size,
                                 initial_state=None if state is None else state[0], return_state=True)
         if cache is not None:
-            cache.write((S,), T)
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_weight  # per-head RMSNorm
-        y = y * F.silu(heads(self.gate(x)))  # gated by z (Qwen3-Next's RMSNormGated)
-        return self.resid_dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, self.d_model)))
+            cache.write((S,) if conv_state is None else (S, conv_state), T)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight  # per-head RMSNorm
+        y = y * F.silu(heads(self.gate(x), self.n_v_heads))  # gated by z (Qwen's RMSNormGated)
+        return self.resid_dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, self.value_dim)))

@@ -30,19 +30,20 @@ class GatedAttention(MultiHeadAttention):
         d_model, n_heads, n_kv_heads, **kwargs: as :class:`attnlib.attention.MultiHeadAttention`.
         gate: ``"elementwise"`` (``W_g``: ``d_model → n_heads · head_dim``, Qwen3-Next), ``"headwise"``
             (``d_model → n_heads``) or ``None`` (no gate: exactly multi-head attention).
+        gate_bias: a bias on ``W_g`` (Qwen3-Next and Qwen3.5 have none: their gate is rows of ``q_proj``).
 
     Raises:
         ValueError: an unknown ``gate``; otherwise as :class:`MultiHeadAttention`.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, *,
-                 gate: str | None = "elementwise", **kwargs) -> None:
+                 gate: str | None = "elementwise", gate_bias: bool = True, **kwargs) -> None:
         if gate is not None and gate not in GATE_KINDS:
             raise ValueError(f"gate={gate!r} is not one of {GATE_KINDS} (or None)")
         super().__init__(d_model, n_heads, n_kv_heads, **kwargs)
         self.gate_kind = gate
         width = {"elementwise": n_heads * self.head_dim, "headwise": n_heads, None: 0}[gate]
-        self.gate_proj = nn.Linear(d_model, width, bias=True) if gate else None
+        self.gate_proj = nn.Linear(d_model, width, bias=gate_bias) if gate else None
 
     def gate_output(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The heads' output ``y (B, n_heads, T, head_dim)`` times ``σ(x W_g)``, per channel or per head."""

@@ -6,7 +6,8 @@
   their parts: :mod:`~attnlib.models.layers`;
 * loaders from ``transformers``: :func:`from_hf_gpt2` (chapter 14), :func:`from_hf_llama`,
   :func:`from_hf_qwen3`, :func:`from_hf_mistral` (chapter 16), :func:`from_hf_diffllama`,
-  :func:`from_hf_gemma3`, :func:`from_hf_gemma4`, :func:`from_hf_smollm3` (chapter 20);
+  :func:`from_hf_gemma3`, :func:`from_hf_gemma4`, :func:`from_hf_smollm3` (chapter 20), :func:`from_hf_qwen3_5`
+  (chapter 21);
   :mod:`~attnlib.models.hf_llama4` and :mod:`~attnlib.models.hf_gpt_oss`: Llama 4's and gpt-oss's attention,
   layer by layer (chapter 20);
 * :class:`Transformer`: the encoder–decoder of Vaswani et al. (chapter 10);
@@ -20,6 +21,7 @@ from attnlib.models.hf_gemma import from_hf_gemma3
 from attnlib.models.hf_gemma4 import from_hf_gemma4
 from attnlib.models.hf_gpt2 import from_hf_gpt2
 from attnlib.models.hf_llama import from_hf_llama, from_hf_mistral, from_hf_qwen3, from_hf_smollm3
+from attnlib.models.hf_qwen3_5 import from_hf_qwen3_5
 from attnlib.models.transformer import DecoderLayer, EncoderLayer, Transformer
 
 __all__ = [
@@ -39,5 +41,6 @@ __all__ = [
     "from_hf_llama",
     "from_hf_mistral",
     "from_hf_qwen3",
+    "from_hf_qwen3_5",
     "from_hf_smollm3",
 ]

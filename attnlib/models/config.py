@@ -104,6 +104,17 @@ class DecoderConfig:
             ``hidden_size_per_layer_input``): a second token embedding of ``n_layers · d_per_layer_input`` and a
             projection of the embeddings, one slice per layer, gated into the residual stream.
         layer_scalar: each layer's output multiplied by a stored scalar (a buffer, 1 until loaded; Gemma 4).
+        partial_rotary_factor: None, or the share of each head that RoPE turns on every RoPE layer: its leading
+            ``int(factor · head_dim)`` numbers, at the frequencies of that width
+            (:class:`~attnlib.positional.LeadingRotaryEmbedding`; Qwen3-Next, Qwen3.5; chapter 21).
+        attn_output_gate: every softmax layer's heads multiplied by ``σ(x W_g)``, one gate per head and channel,
+            before the output projection (:class:`~attnlib.attention.sparse.GatedAttention`; Qwen3-Next, Qwen3.5).
+        linear_conv_kernel_dim: None (chapter 18's gated DeltaNet), or the kernel of the short causal convolution
+            over q, k, v of the ``"linear_attention"`` layers (Qwen3-Next's and Qwen3.5's layer, which also takes
+            its gated norm's epsilon from ``norm_eps`` and L2-normalises as fla does; chapter 21).
+        linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim: the gated
+            DeltaNet layers' own head counts and widths (None: ``n_heads``, ``n_heads``, ``d_model // n_heads``
+            twice); value heads a multiple of key heads (:class:`~attnlib.attention.GatedDeltaNet`).
 
     Raises:
         TypeError / ValueError: a size that is not a positive int, a name that is not one of its choices,
@@ -159,6 +170,13 @@ class DecoderConfig:
     value_norm: bool = False
     d_per_layer_input: int | None = None
     layer_scalar: bool = False
+    partial_rotary_factor: float | None = None
+    attn_output_gate: bool = False
+    linear_conv_kernel_dim: int | None = None
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
     _derived: dict | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:

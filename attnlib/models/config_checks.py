@@ -10,11 +10,11 @@ from collections.abc import Mapping
 from attnlib._checks import divisible, finite_number, positive_int, probability
 from attnlib.attention.registry import ATTENTION_FUNCTIONS
 from attnlib.attention.temperature import QK_NORMS, check_temperature
-from attnlib.positional.rotary import RotaryEmbedding
+from attnlib.positional.rotary import LeadingRotaryEmbedding, RotaryEmbedding
 
 __all__ = ["ATTENTION_VARIANTS", "FEEDFORWARD_KINDS", "LAYER_TYPES", "LINEAR_LAYERS", "NORMS", "NORM_PLACEMENTS",
            "POSITIONS", "check_attention_sinks", "check_combinations", "check_differential", "check_fields",
-           "check_kv_reuse", "check_llama4_attention"]
+           "check_kv_reuse", "check_llama4_attention", "check_qwen3_5"]
 
 #: The attention of a decoder's softmax layers (chapter 13): MHA, GQA and MQA are one layer with
 #: ``n_kv_heads`` = ``n_heads``, given, 1; talking heads (chapter 05); latent attention (chapter 07);
@@ -124,6 +124,7 @@ def check_combinations(config) -> None:
             RotaryEmbedding(config.head_dim, base, config.rope_scaling, config.block_size)  # checks RoPE's settings
     check_attention_sinks(config)
     check_llama4_attention(config)
+    check_qwen3_5(config)
 
 
 def check_attention_sinks(config) -> None:
@@ -227,3 +228,45 @@ def check_kv_reuse(config) -> None:
         if (layer in config.nope_layers) != (config.kv_source(layer) in config.nope_layers):
             raise ValueError(f"num_kv_shared_layers={n}: layer {layer} and its source {config.kv_source(layer)} "
                              "must both use RoPE or both not (nope_layers)")
+
+
+def check_qwen3_5(config) -> None:
+    """Qwen3.5's fields (chapter 21): ``partial_rotary_factor`` (RoPE, an even leading part of each head; not with
+    Gemma's other RoPE tables), ``attn_output_gate`` (MHA / GQA / MQA softmax layers, not Gemma 4's attention),
+    the ``linear_*`` sizes of gated DeltaNet layers. Raises TypeError / ValueError naming the field."""
+    if not isinstance(config.attn_output_gate, bool):
+        raise TypeError(f"attn_output_gate must be a bool; got {config.attn_output_gate!r}")
+    fraction = config.partial_rotary_factor
+    if fraction is not None:
+        if config.position != "rope":
+            raise ValueError(f"partial_rotary_factor={fraction!r} is given but position={config.position!r} does not "
+                             "use RoPE")
+        for name in ("rope_local_base", "global_partial_rotary_factor", "global_head_dim"):
+            if getattr(config, name) is not None:
+                raise ValueError(f"partial_rotary_factor={fraction!r} does not combine with {name}="
+                                 f"{getattr(config, name)!r} (Gemma's own RoPE tables)")
+        LeadingRotaryEmbedding(config.head_dim, config.rope_base, fraction, config.rope_scaling)  # checks it, named
+    softmax = [t for t in config.layer_types if t != "linear_attention"]
+    if config.attn_output_gate:
+        if config.attention not in ("mha", "gqa", "mqa") or not softmax:
+            raise ValueError(f"attn_output_gate=True gates MHA / GQA / MQA softmax layers; got attention="
+                             f"{config.attention!r} with {len(softmax)} softmax layer(s)")
+        reuse = {"num_kv_shared_layers": config.num_kv_shared_layers or None, "global_n_kv_heads": config.global_n_kv_heads,
+                 "attention_k_eq_v": config.attention_k_eq_v or None, "value_norm": config.value_norm or None,
+                 "global_head_dim": config.global_head_dim}
+        for name, value in reuse.items():
+            if value is not None:
+                raise ValueError(f"attn_output_gate=True does not combine with {name}={value!r} (Gemma 4's attention)")
+    sizes = ("linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+             "linear_value_head_dim")
+    given = [name for name in sizes if getattr(config, name) is not None]
+    for name in given:
+        positive_int(name, getattr(config, name))
+    if given and (config.linear_layer != "gated_deltanet" or "linear_attention" not in config.layer_types):
+        raise ValueError(f"{given[0]}={getattr(config, given[0])!r} is for gated DeltaNet layers; got linear_layer="
+                         f"{config.linear_layer!r} and {config.layer_types.count('linear_attention')} linear layer(s)")
+    n_k = config.linear_num_key_heads or config.n_heads
+    if config.linear_num_value_heads is not None:
+        divisible("linear_num_value_heads", config.linear_num_value_heads, "linear_num_key_heads", n_k)
+    if "linear_attention" in config.layer_types and (config.linear_key_head_dim is None or config.linear_value_head_dim is None):
+        divisible("d_model", config.d_model, "linear_num_key_heads (or n_heads)", n_k)

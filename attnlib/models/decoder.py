@@ -23,7 +23,7 @@ from attnlib.generation.generate import generate
 from attnlib.models.config import DecoderConfig
 from attnlib.models.layers import build_attention, build_feedforward, build_norm
 from attnlib.models.per_layer import PartialRotaryEmbedding, PerLayerInputGate, PerLayerInputs
-from attnlib.positional.rotary import RotaryEmbedding
+from attnlib.positional.rotary import LeadingRotaryEmbedding, RotaryEmbedding
 
 __all__ = ["GPT", "Block", "Decoder"]
 
@@ -99,7 +99,11 @@ class Decoder(nn.Module):
             self.pos_emb = nn.Embedding(config.block_size, config.d_model)
         self.drop = nn.Dropout(config.dropout)
         if config.position == "rope":  # one table per base, shared by the layers that use it
-            self.rope = RotaryEmbedding(config.head_dim, config.rope_base, config.rope_scaling, config.block_size)
+            if config.partial_rotary_factor is None:
+                self.rope = RotaryEmbedding(config.head_dim, config.rope_base, config.rope_scaling, config.block_size)
+            else:  # Qwen3.5: the leading part of each head turned (chapter 21)
+                self.rope = LeadingRotaryEmbedding(config.head_dim, config.rope_base, config.partial_rotary_factor,
+                                                   config.rope_scaling, config.block_size)
             if config.rope_local_base is not None:  # sliding layers' own base (Gemma 3), unscaled
                 self.rope_local = RotaryEmbedding(config.head_dim, config.rope_local_base, None, config.block_size)
             wide, fraction = config.global_head_dim or config.head_dim, config.global_partial_rotary_factor

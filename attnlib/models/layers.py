@@ -18,19 +18,22 @@ from attnlib.attention.latent import MultiHeadLatentAttention
 from attnlib.attention.linear import LinearAttention
 from attnlib.attention.mods import alibi, compose, softcap
 from attnlib.attention.multi_head import MultiHeadAttention
+from attnlib.attention.sparse import GatedAttention
 from attnlib.attention.talking_heads import TalkingHeadsAttention
 from attnlib.attention.temperature import AttentionTemperature
 from attnlib.layers.feedforward import FeedForward, GeGLU, SwiGLU
 from attnlib.layers.norms import RMSNorm
 from attnlib.models.config import DecoderConfig
 
-__all__ = ["ATTENTION_LAYERS", "build_attention", "build_feedforward", "build_norm"]
+__all__ = ["ATTENTION_LAYERS", "build_attention", "build_feedforward", "build_norm", "deltanet_options"]
 
 
 def _multi_head(config: DecoderConfig, window: int | None, chunk: int | None, rope, layer: int = 0,
                 layer_class: type[MultiHeadAttention] = MultiHeadAttention, **options) -> nn.Module:
     score_mod = compose(alibi(config.n_heads) if config.position == "alibi" else None,
                         softcap(config.attn_softcap) if config.attn_softcap is not None else None)
+    if config.attn_output_gate:  # Qwen3-Next, Qwen3.5: out_proj(heads ⊙ σ(x W_g)), W_g without a bias of its own
+        layer_class, options = GatedAttention, dict(options, gate="elementwise", gate_bias=config.attention_bias)
     if reuses_kv(config):  # Gemma 4: the layer's own sizes; keys as values on full layers; or another layer's K/V
         source, full = config.kv_source(layer), config.layer_types[layer] == "full_attention"
         layer_class = KVReuseAttention
@@ -95,11 +98,27 @@ def build_attention(config: DecoderConfig, layer: int, rope=None) -> nn.Module:
         raise TypeError(f"config must be an attnlib.DecoderConfig; got {type(config).__name__}")
     kind = config.layer_types[layer]
     if kind == "linear_attention":
-        return LINEAR_LAYER_CLASSES[config.linear_layer](config.d_model, config.n_heads, block_size=config.block_size,
-                                                         dropout=config.dropout, bias=config.attention_bias)
+        options = deltanet_options(config)  # {} for chapter 18's layers
+        return LINEAR_LAYER_CLASSES[config.linear_layer](config.d_model, options.pop("n_heads", config.n_heads),
+                                                         block_size=config.block_size, dropout=config.dropout,
+                                                         bias=config.attention_bias, **options)
     window = config.sliding_window if kind == "sliding_attention" else None
     chunk = config.attention_chunk_size if kind == "chunked_attention" else None
     return ATTENTION_LAYERS[config.attention](config, window, chunk, rope, layer)
+
+
+def deltanet_options(config: DecoderConfig) -> dict:
+    """The gated DeltaNet options a config sets (chapter 21): none for chapter 18's layer; with a
+    ``linear_conv_kernel_dim``, Qwen3.5's (its convolution, ``norm_eps`` on the gated norm, fla's L2 norm); the
+    ``linear_*`` head counts and widths that are given."""
+    options = {name: getattr(config, field) for name, field in (
+        ("n_v_heads", "linear_num_value_heads"), ("head_k_dim", "linear_key_head_dim"),
+        ("head_v_dim", "linear_value_head_dim")) if getattr(config, field) is not None}
+    if config.linear_num_key_heads is not None:
+        options["n_heads"] = config.linear_num_key_heads
+    if config.linear_conv_kernel_dim is not None:
+        options.update(conv_size=config.linear_conv_kernel_dim, norm_eps=config.norm_eps, l2norm="fla")
+    return options
 
 
 def build_norm(config: DecoderConfig) -> nn.Module:

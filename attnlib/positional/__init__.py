@@ -8,11 +8,12 @@
 ALiBi, the other relative scheme, is a score modification: :func:`attnlib.attention.mods.alibi`.
 """
 from attnlib.positional.absolute import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, sinusoidal_encoding
-from attnlib.positional.rotary import RotaryEmbedding, interleaved_to_half_split
+from attnlib.positional.rotary import LeadingRotaryEmbedding, RotaryEmbedding, interleaved_to_half_split
 from attnlib.positional.scaling import ROPE_TYPES, rope_frequencies
 
 __all__ = [
     "ROPE_TYPES",
+    "LeadingRotaryEmbedding",
     "LearnedPositionalEmbedding",
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",

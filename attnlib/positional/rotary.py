@@ -12,11 +12,11 @@ import math
 import torch
 from torch import nn
 
-from attnlib._checks import float_input, positive_int
+from attnlib._checks import finite_number, float_input, positive_int
 from attnlib.positional.absolute import even
 from attnlib.positional.scaling import rope_frequencies
 
-__all__ = ["RotaryEmbedding", "interleaved_to_half_split", "turn"]
+__all__ = ["LeadingRotaryEmbedding", "RotaryEmbedding", "interleaved_to_half_split", "turn"]
 
 
 def _real_positions(positions: object) -> None:
@@ -197,6 +197,50 @@ class RotaryEmbedding(nn.Module):
         tables = (cos, signed_sin, -signed_sin)  # and the sine of the turn back, for the backward pass
         self._cos_sin = (key, positions.clone(), tables)
         return tables
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Same as :meth:`rotate`."""
+        return self.rotate(x, positions)
+
+
+class LeadingRotaryEmbedding(nn.Module):
+    """RoPE on the leading ``rotary_dim = int(partial_rotary_factor · head_dim)`` numbers of each head only, the
+    rest passed through unturned: GPT-NeoX's ``rotary_pct``, Qwen3-Next's and Qwen3.5's ``partial_rotary_factor``
+    (chapter 21). Inside the leading part it is :class:`RotaryEmbedding` of width ``rotary_dim``: half-split pairs
+    ``(x[i], x[i + rotary_dim/2])``, ``θ_i = base^(-2i / rotary_dim)`` (not Gemma 4's "proportional" RoPE,
+    :class:`~attnlib.models.per_layer.PartialRotaryEmbedding`, whose pairs and frequencies span the whole head).
+
+    Args:
+        head_dim: size of one head. partial_rotary_factor: in (0, 1]; ``rotary_dim`` must come out even, >= 2.
+        base, rope_scaling, max_position_embeddings: as :class:`RotaryEmbedding`, over ``rotary_dim``.
+
+    Attributes:
+        head_dim, rotary_dim: the widths. inner: the :class:`RotaryEmbedding` of the leading part.
+
+    Shapes: :meth:`rotate` ``(…, T, head_dim)`` → ``(…, T, head_dim)``.
+
+    Raises:
+        TypeError / ValueError: ``head_dim`` not a positive int; ``partial_rotary_factor`` not a number in (0, 1] or
+            giving an odd or zero ``rotary_dim`` (named); as :class:`RotaryEmbedding`.
+    """
+
+    def __init__(self, head_dim: int, base: float, partial_rotary_factor: float, rope_scaling: dict | None = None,
+                 max_position_embeddings: int | None = None) -> None:
+        super().__init__()
+        positive_int("head_dim", head_dim)
+        fraction = finite_number("partial_rotary_factor", partial_rotary_factor)
+        rotary_dim = int(head_dim * fraction)
+        if not 0 < fraction <= 1 or rotary_dim < 2 or rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor={partial_rotary_factor!r} must be in (0, 1] and turn an even "
+                             f"number >= 2 of head_dim={head_dim}'s numbers; int(head_dim · factor) = {rotary_dim}")
+        self.head_dim, self.rotary_dim, self.partial_rotary_factor = head_dim, rotary_dim, fraction
+        self.inner = RotaryEmbedding(rotary_dim, base, rope_scaling, max_position_embeddings)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``x (…, T, head_dim)`` with its leading ``rotary_dim`` numbers turned (:meth:`RotaryEmbedding.rotate`)."""
+        float_input(x, self.head_dim, width="head_dim")
+        turned = self.inner.rotate(x[..., :self.rotary_dim], positions)
+        return torch.cat([turned, x[..., self.rotary_dim:]], dim=-1)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Same as :meth:`rotate`."""
