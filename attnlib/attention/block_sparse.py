@@ -33,6 +33,7 @@ __all__ = [
     "MoBAAttention",
     "attend_gathered",
     "check_self_attention",
+    "checked_projection",
     "refuse_forward_options",
     "choose_blocks_readable",
     "gather_blocks",
@@ -59,6 +60,15 @@ def refuse_forward_options(layer: str, context, mask, attention_mask, cache, ret
                                       ("cache", cache)) if value is not None] + (["return_weights"] if return_weights else [])
     if given:
         raise ValueError(f"{layer} is causal self-attention without masks, caches or weights; got {given}")
+
+
+def checked_projection(layer, x, context, mask, attention_mask, cache, positions, return_weights):
+    """A block-sparse layer's forward up to its attention: refuse what it does not take (see
+    :func:`refuse_forward_options`), check ``x`` and ``positions``, and return ``layer.project``'s
+    ``q (B, H, T, hd)``, ``k, v (B, n_kv, T, hd)``."""
+    refuse_forward_options(type(layer).__name__, context, mask, attention_mask, cache, return_weights)
+    check_layer_inputs(layer, x, None, None, None, None, positions)
+    return layer.project(x, None, None, positions)
 
 
 def choose_blocks_readable(scores: torch.Tensor, allowed: torch.Tensor, forced: torch.Tensor, n: int) -> torch.Tensor:
@@ -234,9 +244,7 @@ class MoBAAttention(MultiHeadAttention):
                 positions: torch.Tensor | None = None, return_weights: bool = False) -> torch.Tensor:
         """``(B, T, d_model)`` → ``(B, T, d_model)``; ``positions`` ``(B, T)`` for RoPE (default ``0 … T-1``).
         :meth:`MultiHeadAttention.forward`'s signature; ValueError for the other arguments (not supported)."""
-        refuse_forward_options(type(self).__name__, context, mask, attention_mask, cache, return_weights)
-        check_layer_inputs(self, x, None, None, None, None, positions)
-        q, k, v = self.project(x, None, None, positions)  # (B, H, T, hd), (B, n_kv, T, hd) x 2
+        q, k, v = checked_projection(self, x, context, mask, attention_mask, cache, positions, return_weights)
         fn = moba_attention if self.blocked else moba_attention_reference
         y = fn(q, k, v, moba_chunk_size=self.moba_chunk_size, moba_topk=self.moba_topk, scale=self.scale)
         return self.merge(y)

@@ -34,13 +34,12 @@ from attnlib._checks import divisible, non_negative_int, positive_int
 from attnlib.attention.block_sparse import (
     attend_gathered,
     check_self_attention,
+    checked_projection,
     choose_blocks_readable,
     gather_blocks,
-    refuse_forward_options,
     select_blocks,
 )
 from attnlib.attention.functions import attention
-from attnlib.attention.inputs import check_layer_inputs
 from attnlib.attention.masks import causal_mask
 from attnlib.attention.multi_head import MultiHeadAttention, refuse_options
 
@@ -262,9 +261,7 @@ class NativeSparseAttention(MultiHeadAttention):
                 positions: torch.Tensor | None = None, return_weights: bool = False) -> torch.Tensor:
         """``(B, T, d_model)`` → ``(B, T, d_model)``; ``positions`` ``(B, T)`` for RoPE (default ``0 … T-1``).
         :meth:`MultiHeadAttention.forward`'s signature; ValueError for the other arguments (not supported)."""
-        refuse_forward_options(type(self).__name__, context, mask, attention_mask, cache, return_weights)
-        check_layer_inputs(self, x, None, None, None, None, positions)
-        q, k, v = self.project(x, None, None, positions)  # (B, H, T, hd), (B, n_kv, T, hd) x 2
+        q, k, v = checked_projection(self, x, context, mask, attention_mask, cache, positions, return_weights)
         B, T, _ = x.shape
         gates = torch.sigmoid(self.gate_proj(x)).view(B, T, self.n_heads, 3).transpose(1, 2)  # (B, H, T, 3)
         fn = nsa_attention if self.blocked else nsa_attention_reference
