@@ -259,9 +259,9 @@ def test_bad_shapes_name_the_argument():
     with pytest.raises(ValueError, match="n_heads=4 must be a multiple of k's n_kv_heads=3"):
         moba_attention(q, torch.randn(2, 3, 16, 8, dtype=q.dtype), torch.randn(2, 3, 16, 8, dtype=q.dtype),
                        moba_chunk_size=4, moba_topk=1)
-    with pytest.raises(ValueError, match="T_q == T_k"):
-        nsa_attention(q[:, :, :5], k, v, gates[:, :, :5], ck, cv, **NSA)
-    with pytest.raises(ValueError, match=r"gates must have shape \(B, n_heads, T, 3\)"):
+    with pytest.raises(ValueError, match="T_q <= T_k"):  # queries are the last T_q of T_k positions
+        nsa_attention(q, k[:, :, :5], v[:, :, :5], gates, ck, cv, **NSA)
+    with pytest.raises(ValueError, match=r"gates must have shape \(B, n_heads, T_q, 3\)"):
         nsa_attention(q, k, v, gates[..., :2], ck, cv, **NSA)
     with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., compress_block=4, head_dim=8\)"):
         nsa_attention(q, k, v, gates, BlockCompressor(4, 8).double(), cv, **NSA)
@@ -274,7 +274,7 @@ def test_bad_shapes_name_the_argument():
 @pytest.mark.parametrize("layer", [NativeSparseAttention(32, 4, **NSA), MoBAAttention(32, 4, moba_chunk_size=4, moba_topk=2)])
 def test_layers_refuse_what_they_do_not_support(layer):
     x = torch.randn(1, 8, 32)
-    with pytest.raises(ValueError, match=r"without masks, caches or weights; got \['mask'\]"):
+    with pytest.raises(ValueError, match=r"without masks or weights; got \['mask'\]"):
         layer(x, mask=torch.ones(1, 1, 8, 8, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"got \['context', 'return_weights'\]"):
         layer(x, x, return_weights=True)

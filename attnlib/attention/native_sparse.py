@@ -21,6 +21,12 @@ definition); :func:`nsa_attention` unfolds the compressed blocks, gathers the se
 window (``T · (top_n · l' + w)`` scores, no ``T × T`` mask). They must agree: no ``transformers`` reference
 exists for NSA, so each checks the other, the mask form being the independent reference. The paper gives
 each branch its own keys and values (§3.3.3); :class:`NativeSparseAttention` shares one projection.
+
+Both take queries that are the last ``T_q`` of ``T_k`` positions (query ``i`` at ``t = T_k - T_q + i``,
+as when decoding with a cache): compressed blocks complete by ``t``, selection blocks up to ``t``'s and the
+window ending at ``t``, so a query's output does not depend on how its past arrived. The layer caches the
+raw keys and values only and recomputes the compressed ones from them at every step (simple, O(T_k) work
+for φ a step; caching them as DeepSeek-V4's :class:`~attnlib.cache.CompressedLayerCache` does would save it).
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ from attnlib.attention.block_sparse import (
     checked_projection,
     choose_blocks_readable,
     gather_blocks,
+    query_positions,
     select_blocks,
 )
 from attnlib.attention.functions import attention
@@ -92,11 +99,11 @@ def check_nsa_sizes(compress_block, compress_stride, select_block, top_n, window
 def _checks(q, k, v, gates, compress_k, compress_v, sizes, scale) -> float:
     check_nsa_sizes(*sizes)
     check_self_attention(q, k, v, scale)
-    B, H, T, _ = q.shape
+    B, H, T, _ = q.shape  # T = T_q
     if not isinstance(gates, torch.Tensor) or not gates.is_floating_point() or gates.dtype != q.dtype:
         raise TypeError(f"gates must be a float tensor of q's dtype {q.dtype}; got {getattr(gates, 'dtype', gates)}")
     if tuple(gates.shape) != (B, H, T, 3) or gates.device != q.device:
-        raise ValueError(f"gates must have shape (B, n_heads, T, 3) = {(B, H, T, 3)} on {q.device}; "
+        raise ValueError(f"gates must have shape (B, n_heads, T_q, 3) = {(B, H, T, 3)} on {q.device}; "
                          f"got {tuple(gates.shape)} on {gates.device}")
     for name, fn in (("compress_k", compress_k), ("compress_v", compress_v)):
         if not callable(fn):
@@ -104,21 +111,23 @@ def _checks(q, k, v, gates, compress_k, compress_v, sizes, scale) -> float:
     return q.shape[-1] ** -0.5 if scale is None else float(scale)
 
 
-def _rules(T, select_block, initial_blocks, local_blocks, device):
-    """``allowed, forced (T, n_blocks)``: selection blocks at or before the query's, and those always taken."""
-    own = torch.arange(T, device=device)[:, None] // select_block  # (T, 1)
-    j = torch.arange(-(-T // select_block), device=device)[None, :]  # (1, n_blocks)
+def _rules(t, T_k, select_block, initial_blocks, local_blocks):
+    """``allowed, forced (T_q, n_blocks)`` for queries at positions ``t (T_q,)``: selection blocks at or before
+    the query's, and those always taken."""
+    own = t[:, None] // select_block  # (T_q, 1)
+    j = torch.arange(-(-T_k // select_block), device=t.device)[None, :]  # (1, n_blocks)
     allowed = j <= own
     return allowed, allowed & ((j < initial_blocks) | (own - j < local_blocks))
 
 
-def _compressed(q, k_cmp, v_cmp, lc, d, scale):
-    """``Attn(q, K̃^cmp, Ṽ^cmp)`` over the complete past blocks and its weights ``p^cmp (B, H, T, n_cmp)``."""
+def _compressed(q, k_cmp, v_cmp, t, lc, d, scale):
+    """``Attn(q, K̃^cmp, Ṽ^cmp)`` over the blocks complete by each query's position ``t (T_q,)`` and its
+    weights ``p^cmp (B, H, T_q, n_cmp)``."""
     B, H, T, _ = q.shape
-    if k_cmp is None:  # T < l: no block is complete yet
+    if k_cmp is None:  # T_k < l: no block is complete yet
         return q.new_zeros(B, H, T, q.shape[-1]), q.new_zeros(B, H, T, 0)
     ends = torch.arange(k_cmp.shape[2], device=q.device) * d + lc - 1  # last position of each block
-    complete = ends[None, :] <= torch.arange(T, device=q.device)[:, None]  # (T, n_cmp)
+    complete = ends[None, :] <= t[:, None]  # (T_q, n_cmp)
     return attention(q, k_cmp, v_cmp, complete[None, None], scale=scale)
 
 
@@ -132,8 +141,9 @@ def nsa_attention_reference(
     No ``transformers`` reference exists; :func:`nsa_attention` must equal this.
 
     Args:
-        q: ``(B, n_heads, T, head_dim)``; k, v: ``(B, n_kv_heads, T, head_dim)``, shared by the branches.
-        gates: ``(B, n_heads, T, 3)``: ``g^cmp, g^slc, g^win`` per query and head (in (0, 1) from a
+        q: ``(B, n_heads, T_q, head_dim)``: the last ``T_q`` of ``T_k`` positions (``T_q = T_k`` for a whole
+            sequence); k, v: ``(B, n_kv_heads, T_k, head_dim)``, shared by the branches.
+        gates: ``(B, n_heads, T_q, 3)``: ``g^cmp, g^slc, g^win`` per query and head (in (0, 1) from a
             sigmoid in the layer; any numbers here).
         compress_k, compress_v: φ for keys and values, ``(..., compress_block, head_dim) → (..., head_dim)``.
         compress_block, compress_stride: ``l`` and ``d`` (``d`` divides ``l``); select_block: ``l'``
@@ -142,25 +152,26 @@ def nsa_attention_reference(
         scale: on ``q · k`` in every branch; default ``1 / √head_dim``.
 
     Returns:
-        ``(B, n_heads, T, head_dim)``.
+        ``(B, n_heads, T_q, head_dim)``.
 
     Raises:
         TypeError / ValueError: see :func:`check_nsa_sizes` and
-            :func:`~attnlib.attention.block_sparse.check_self_attention`; ``gates`` not ``(B, n_heads, T, 3)``
+            :func:`~attnlib.attention.block_sparse.check_self_attention`; ``gates`` not ``(B, n_heads, T_q, 3)``
             of q's dtype; a compressor not callable.
     """
     lc, d, lsel = compress_block, compress_stride, select_block  # the paper's l, d, l'
     scale = _checks(q, k, v, gates, compress_k, compress_v,
                     (lc, d, lsel, top_n, window, initial_blocks, local_blocks), scale)
-    B, H, T, _ = q.shape
-    h, n_cmp = k.shape[1], (T - lc) // d + 1 if T >= lc else 0
+    B, H, T, _ = q.shape  # T = T_q
+    T_k, t = k.shape[2], query_positions(T, k.shape[2], q.device)  # t: each query's position
+    h, n_cmp = k.shape[1], (T_k - lc) // d + 1 if T_k >= lc else 0
     # cmp (eq. 7): block i covers positions i·d … i·d + l - 1
     k_cmp = torch.stack([compress_k(k[:, :, i * d:i * d + lc]) for i in range(n_cmp)], 2) if n_cmp else None
     v_cmp = torch.stack([compress_v(v[:, :, i * d:i * d + lc]) for i in range(n_cmp)], 2) if n_cmp else None
-    o_cmp, p_cmp = _compressed(q, k_cmp, v_cmp, lc, d, scale)  # p^cmp (eq. 8): (B, H, T, n_cmp)
+    o_cmp, p_cmp = _compressed(q, k_cmp, v_cmp, t, lc, d, scale)  # p^cmp (eq. 8): (B, H, T, n_cmp)
     # slc (eqs. 9, 10): p^slc[j] = Σ_m Σ_n p^cmp[(l'/d)·j + m - n], summed over the group's heads
     p_group = p_cmp.reshape(B, h, H // h, T, n_cmp).sum(2)  # (B, h, T, n_cmp)
-    n_sel = -(-T // lsel)
+    n_sel = -(-T_k // lsel)
     p_slc = q.new_zeros(B, h, T, n_sel)
     for j in range(n_sel):
         for m in range(lsel // d):
@@ -168,14 +179,13 @@ def nsa_attention_reference(
                 c = (lsel // d) * j + m - n  # a compressed block sharing a stride-d piece with block j
                 if 0 <= c < n_cmp:
                     p_slc[..., j] += p_group[..., c]
-    allowed, forced = _rules(T, lsel, initial_blocks, local_blocks, q.device)
+    allowed, forced = _rules(t, T_k, lsel, initial_blocks, local_blocks)
     chosen = choose_blocks_readable(p_slc, allowed, forced, top_n)  # (B, h, T, n_sel)
-    causal = causal_mask(T, T, q.device)
-    mask_slc = chosen[..., torch.arange(T, device=q.device) // lsel] & causal  # (B, h, T, T)
+    causal, s = causal_mask(T, T_k, q.device), torch.arange(T_k, device=q.device)  # s: each key's position
+    mask_slc = chosen[..., s // lsel] & causal  # (B, h, T, T_k)
     o_slc = attention(q, k, v, mask_slc.repeat_interleave(H // h, dim=1), scale=scale)[0]
     # win: keys t - w + 1 … t
-    t = torch.arange(T, device=q.device)
-    o_win = attention(q, k, v, (causal & (t[:, None] - t[None, :] < window))[None, None], scale=scale)[0]
+    o_win = attention(q, k, v, (causal & (t[:, None] - s[None, :] < window))[None, None], scale=scale)[0]
     g = gates.unsqueeze(-1)  # (B, H, T, 3, 1)
     return g[..., 0, :] * o_cmp + g[..., 1, :] * o_slc + g[..., 2, :] * o_win  # eq. 5
 
@@ -195,25 +205,26 @@ def nsa_attention(
     lc, d, lsel = compress_block, compress_stride, select_block
     scale = _checks(q, k, v, gates, compress_k, compress_v,
                     (lc, d, lsel, top_n, window, initial_blocks, local_blocks), scale)
-    B, H, T, hd = q.shape
-    h, dev = k.shape[1], q.device
-    k_cmp = compress_k(k.unfold(2, lc, d).transpose(-1, -2)) if T >= lc else None  # (B, h, n_cmp, l, hd) -> (B, h, n_cmp, hd)
-    v_cmp = compress_v(v.unfold(2, lc, d).transpose(-1, -2)) if T >= lc else None
-    o_cmp, p_cmp = _compressed(q, k_cmp, v_cmp, lc, d, scale)
-    n_cmp, n_sel = p_cmp.shape[-1], -(-T // lsel)
+    B, H, T, hd = q.shape  # T = T_q
+    h, dev, T_k = k.shape[1], q.device, k.shape[2]
+    t = query_positions(T, T_k, dev)  # each query's position
+    k_cmp = compress_k(k.unfold(2, lc, d).transpose(-1, -2)) if T_k >= lc else None  # (B, h, n_cmp, l, hd) -> (B, h, n_cmp, hd)
+    v_cmp = compress_v(v.unfold(2, lc, d).transpose(-1, -2)) if T_k >= lc else None
+    o_cmp, p_cmp = _compressed(q, k_cmp, v_cmp, t, lc, d, scale)
+    n_cmp, n_sel = p_cmp.shape[-1], -(-T_k // lsel)
     c_start = torch.arange(n_cmp, device=dev)[:, None] * d  # (n_cmp, 1)
     j_start = torch.arange(n_sel, device=dev)[None, :] * lsel  # (1, n_sel)
     overlap = (torch.minimum(c_start + lc, j_start + lsel) - torch.maximum(c_start, j_start)).clamp(min=0)
     p_slc = p_cmp.reshape(B, h, H // h, T, n_cmp).sum(2) @ (overlap // d).to(q.dtype)  # (B, h, T, n_sel)
-    allowed, forced = _rules(T, lsel, initial_blocks, local_blocks, dev)
+    allowed, forced = _rules(t, T_k, lsel, initial_blocks, local_blocks)
     index, valid = select_blocks(p_slc, allowed, forced, top_n)  # (B, h, T, n)
     pos = index[..., None] * lsel + torch.arange(lsel, device=dev)  # (B, h, T, n, l')
-    t = torch.arange(T, device=dev)
     keep = (valid[..., None] & (pos <= t.view(T, 1, 1))).flatten(-2)  # (B, h, T, n·l')
     o_slc = attend_gathered(q, gather_blocks(k, lsel, index).flatten(3, 4), gather_blocks(v, lsel, index).flatten(3, 4),
                             keep, scale)
-    w = min(window, T)  # a window past the start holds nothing more
-    k_win, v_win = (F.pad(x, (0, 0, w - 1, 0)).unfold(2, w, 1).transpose(-1, -2) for x in (k, v))  # (B, h, T, w, hd)
+    w = min(window, T_k)  # a window past the start holds nothing more
+    k_win, v_win = (F.pad(x, (0, 0, w - 1, 0))[:, :, T_k - T:].unfold(2, w, 1).transpose(-1, -2)
+                    for x in (k, v))  # padded: position p at p + w - 1; (B, h, T, w, hd): keys t - w + 1 … t
     in_seq = (t[:, None] - w + 1 + torch.arange(w, device=dev)) >= 0  # (T, w): left padding is not a key
     o_win = attend_gathered(q, k_win, v_win, in_seq[None, None], scale)
     g = gates.unsqueeze(-1)  # (B, H, T, 3, 1)
@@ -227,7 +238,12 @@ class NativeSparseAttention(MultiHeadAttention):
     :class:`MultiHeadAttention`; φ for keys and values (:class:`BlockCompressor`); the gates
     ``g = σ(x W_g + b_g)`` ``(B, n_heads, T, 3)`` (the paper's "MLP and sigmoid", here one linear layer).
     One key/value projection serves the three branches (the paper gives each its own). No
-    ``transformers`` reference exists. No cache, mask or padding yet.
+    ``transformers`` reference exists. No mask or padding yet.
+
+    Cache: :meth:`new_cache` is a :class:`~attnlib.cache.LayerCache` of every position's raw keys and values
+    (:attr:`cache_width` = ``2 · n_kv_heads · head_dim`` numbers a token); the compressed keys and values
+    are *recomputed* from the cached raw ones at every step (not cached), so token by token, in chunks or
+    in one pass give the same output.
 
     Args:
         d_model, n_heads, n_kv_heads, **kwargs: as :class:`MultiHeadAttention` (causal self-attention; no
@@ -239,7 +255,9 @@ class NativeSparseAttention(MultiHeadAttention):
     Shapes: ``x (B, T, d_model)`` → ``(B, T, d_model)``.
 
     Raises:
-        TypeError / ValueError: see :func:`check_nsa_sizes`; an option NSA does not take (named).
+        TypeError / ValueError: see :func:`check_nsa_sizes`; an option NSA does not take (named); in
+            ``forward``, a cache that does not keep every position
+            (:func:`~attnlib.attention.block_sparse.check_full_cache`).
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, *, compress_block: int = 32,
@@ -259,7 +277,8 @@ class NativeSparseAttention(MultiHeadAttention):
 
     def forward(self, x: torch.Tensor, context=None, *, mask=None, attention_mask=None, cache=None,
                 positions: torch.Tensor | None = None, return_weights: bool = False) -> torch.Tensor:
-        """``(B, T, d_model)`` → ``(B, T, d_model)``; ``positions`` ``(B, T)`` for RoPE (default ``0 … T-1``).
+        """``(B, T, d_model)`` → ``(B, T, d_model)``; ``cache``: a :class:`~attnlib.cache.LayerCache` (the new
+        positions follow its ``cache.length``); ``positions`` ``(B, T)`` for RoPE (default ``cache.length, …``).
         :meth:`MultiHeadAttention.forward`'s signature; ValueError for the other arguments (not supported)."""
         q, k, v = checked_projection(self, x, context, mask, attention_mask, cache, positions, return_weights)
         B, T, _ = x.shape
