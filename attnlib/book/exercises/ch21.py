@@ -86,7 +86,7 @@ def _config(n_full, n_linear, n_heads, n_kv_heads, head_dim, n_heads_linear, d_k
 def _cases(g) -> list[dict]:
     """A Qwen3.5-sized model (its break-even exactly at a whole context), no linear layer, no full layer, a
     convolution of 1, a state in the cache's dtype, a break-even between two contexts, and fresh random ones."""
-    cases = [_config(6, 18, 16, 2, 256, 32, 128, 128, 4, 2, 4), _config(4, 0, 8, 2, 64, 8, 64, 64, 4, 2, 4),
+    cases = [_config(6, 18, 16, 4, 256, 32, 128, 128, 4, 2, 4), _config(4, 0, 8, 2, 64, 8, 64, 64, 4, 2, 4),
              _config(0, 4, 8, 4, 16, 4, 16, 16, 1, 4, 4), _config(2, 6, 8, 1, 64, 8, 32, 64, 1, 2, 2),
              _config(1, 3, 4, 2, 24, 6, 10, 14, 3, 2, 4), _config(3, 9, 12, 4, 128, 16, 64, 32, 4, 1, 4)]
     for _ in range(3):
