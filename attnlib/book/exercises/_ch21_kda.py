@@ -5,8 +5,9 @@ beta ``(B, H, C)`` in [0, 1], g ``(B, H, C, d_k)`` log decays ``<= 0``, S0 ``(B,
 
     S_t = (I - β_t k_t k_tᵀ) Diag(α_t) S_{t-1} + β_t k_t v_tᵀ,   α_t = exp(g_t),   o_t = S_tᵀ q_t
 
-(Kimi Team 2025, Kimi Linear, §3; transformers' ``kimi_linear`` torch fallback: decay the state's rows, read
-``Sᵀ k_t``, write ``k_t (β_t (v_t - Sᵀ k_t))ᵀ``, read the output; q is used as given, no ``1/√d_k``). Checked
+(Kimi Team 2025, "Kimi Linear: an expressive, efficient attention architecture"; transformers' ``kimi_linear``
+torch fallback: decay the state's rows, read ``Sᵀ k_t``, write ``k_t (β_t (v_t - Sᵀ k_t))ᵀ``, read the output; q is
+used as given, no ``1/√d_k``). Checked
 against a float64 loop on fixed and fresh random cases (a decay of one channel near 0 and another near 1,
 ``d_k = d_v`` so that decaying the wrong axis fits the shapes, β of 0 and of 1, a decay that empties some channels);
 the usual slips are recomputed (:func:`kda_loop`'s keyword arguments) and named when the answer matches one.
