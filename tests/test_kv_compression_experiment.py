@@ -3,6 +3,7 @@ caches exact until they fill (and with a budget covering the context), bytes by 
 committed results file (no data: a made-up corpus; seconds)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -170,7 +171,10 @@ def test_the_committed_results_file():
     assert {k: settings[k] for k in kvc.protocol(32)} == kvc.protocol(32)
     for name in kvc.MODELS:
         model = committed["models"][name]
-        assert model["config"] == json.loads(json.dumps(kvc.model_config(name, 65).to_dict()))
+        current = json.loads(json.dumps(kvc.model_config(name, 65).to_dict()))
+        assert {k: current[k] for k in model["config"]} == model["config"]  # the committed run's model
+        defaults = {f.name: f.default for f in dataclasses.fields(DecoderConfig)}
+        assert all(current[k] == defaults[k] for k in set(current) - set(model["config"]))  # fields added since
         assert math.isfinite(model["final_val_loss"]) and model["final_val_loss"] < 2.1 and model["train_seconds"] > 0
         for prompt in ("4", "24"):
             rows = model["by_prompt"][prompt]
