@@ -215,7 +215,7 @@ def test_the_10m_size_has_about_10m_parameters():
 
 
 @pytest.mark.parametrize(
-    ("benchmark", "extra", "expected_rows"),
+    ("name", "extra", "expected_rows"),  # not "benchmark": pytest-benchmark's fixture has that name
     [
         ("mha", [], 15),
         ("kv-cache", ["--variants", "mha,gqa"], 2),
@@ -223,14 +223,14 @@ def test_the_10m_size_has_about_10m_parameters():
         ("train", [], 1),
     ],
 )
-def test_cli_small_runs_write_their_results(benchmark, extra, expected_rows, tmp_path, monkeypatch, capsys):
+def test_cli_small_runs_write_their_results(name, extra, expected_rows, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # the default --out is relative to the current directory
-    payload = main([benchmark, "--small", "--device", "cpu", "--threads", "1", *extra])
+    payload = main([name, "--small", "--device", "cpu", "--threads", "1", *extra])
     out = capsys.readouterr().out
-    path = tmp_path / f"bench_{benchmark.replace('-', '_')}.json"
+    path = tmp_path / f"bench_{name.replace('-', '_')}.json"
     assert f"wrote {path.name}" in out and "load " in out
     assert load_results(path) == json.loads(json.dumps(payload))
-    assert payload["benchmark"] == benchmark and payload["settings"]["small"] is True
+    assert payload["benchmark"] == name and payload["settings"]["small"] is True
     assert len(payload["rows"]) == expected_rows and len(payload["environment"]["load_average"]) == 3
 
 
