@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from attnlib.models.config import DecoderConfig
 from attnlib.models.decoder import Decoder
-from attnlib.models.hf_llama import config_from_hf_decoder, from_hf_llama, hf_state_and_config
+from attnlib.models.hf_llama import check_weight_names, config_from_hf_decoder, from_hf_llama, hf_state_and_config
 
 __all__ = ["config_from_hf_diffllama", "from_hf_diffllama"]
 
@@ -76,9 +76,7 @@ def from_hf_diffllama(model_or_state_dict, config=None) -> Decoder:
     lambdas = {f"blocks.{i}.attn.{name}": f"model.layers.{i}.self_attn.{name}" for i in range(c.n_layers) for name in LAMBDAS}
     missing = sorted(theirs for theirs in lambdas.values() if theirs not in state)
     unexpected = sorted(k for k in state if k.rsplit(".", 1)[-1] in LAMBDAS and k not in lambdas.values())
-    if missing or unexpected:
-        raise ValueError(f"the weights do not match a diffllama model of this config: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+    check_weight_names("diffllama", missing, unexpected)
     for theirs in lambdas.values():
         if state[theirs].shape != (c.head_dim,):
             raise ValueError(f"{theirs} has shape {tuple(state[theirs].shape)}; expected ({c.head_dim},)")

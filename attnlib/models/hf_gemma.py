@@ -31,7 +31,7 @@ import torch
 
 from attnlib.models.config import DecoderConfig
 from attnlib.models.decoder import Decoder
-from attnlib.models.hf_llama import _flag, _int_field, config_getter, hf_state_and_config
+from attnlib.models.hf_llama import _flag, _int_field, check_weight_names, config_getter, hf_state_and_config
 from attnlib.positional.scaling import ROPE_TYPES
 
 __all__ = ["config_from_hf_gemma3", "from_hf_gemma3"]
@@ -212,9 +212,7 @@ def from_hf_gemma3(model_or_state_dict, config=None) -> Decoder:
     missing = sorted(needed - set(state))
     ignored = {"lm_head.weight"} if c.tie_embeddings else set()
     unused = sorted(k for k in set(state) - needed - ignored if not k.endswith("rotary_emb.inv_freq"))
-    if missing or unused:
-        raise ValueError(f"the weights do not match a Gemma 3 model of this config: missing {missing[:5]}, "
-                         f"unexpected {unused[:5]}")
+    check_weight_names("Gemma 3", missing, unused)
     with torch.no_grad():
         for mine, theirs in wanted.items():
             if isinstance(theirs, tuple):  # q, k, v: each part's shape checked before stacking

@@ -22,7 +22,7 @@ import torch
 
 from attnlib.models.config import DecoderConfig
 from attnlib.models.decoder import Decoder
-from attnlib.models.hf_llama import hf_state_and_config
+from attnlib.models.hf_llama import check_weight_names, hf_state_and_config
 
 __all__ = ["config_from_hf_gemma4", "from_hf_gemma4"]
 
@@ -179,9 +179,7 @@ def from_hf_gemma4(model_or_state_dict, config=None) -> Decoder:
     missing = sorted(k for theirs in wanted.values() for k in names(theirs) if k not in state)
     used = {k for theirs in wanted.values() for k in names(theirs)}
     unused = sorted(set(state) - used - ignored)
-    if missing or unused:
-        raise ValueError(f"the weights do not match a Gemma 4 model of this config: missing {missing[:5]}, "
-                         f"unexpected {unused[:5]}")
+    check_weight_names("Gemma 4", missing, unused)
     with torch.no_grad():
         for mine, theirs in wanted.items():
             value = torch.cat([state[k] for k in names(theirs)])  # rows [W_q; W_k; W_v] (or fewer)

@@ -197,6 +197,17 @@ def config_from_hf_decoder(hf_config, family: str) -> DecoderConfig:
     )
 
 
+def check_weight_names(family: str, missing: list[str], unexpected: list[str]) -> None:
+    """The loaders' one refusal of a state dict whose names do not match the model (the first five of each).
+
+    Raises:
+        ValueError: ``missing`` or ``unexpected`` is not empty (both named, sorted).
+    """
+    if missing or unexpected:
+        raise ValueError(f"the weights do not match a {family} model of this config: missing {sorted(missing)[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]}")
+
+
 def hf_state_and_config(model_or_state_dict, config, to_config) -> tuple[dict, object]:
     """The state dict and the ``transformers`` config of a model, or of a state dict and its config (``to_config``:
     the config's :class:`~attnlib.DecoderConfig`, to compare a config given with a model's own). Raises as
@@ -250,9 +261,7 @@ def _load(model_or_state_dict, config, family: str) -> Decoder:
     missing = sorted(k for theirs in wanted.values() if theirs not in state for k in absent.get(theirs, [theirs]))
     ignored = {"lm_head.weight"} if c.tie_embeddings else set()
     unused = sorted(set(state) - set(wanted.values()) - ignored - present - {k for k in state if k.endswith("rotary_emb.inv_freq")})
-    if missing or unused:
-        raise ValueError(f"the weights do not match a {family} model of this config: missing {missing[:5]}, "
-                         f"unexpected {unused[:5]}")
+    check_weight_names(family, missing, unused)
     with torch.no_grad():
         for mine, theirs in wanted.items():
             if own[mine].shape != state[theirs].shape:

@@ -31,7 +31,7 @@ import torch
 
 from attnlib.models.config import DecoderConfig
 from attnlib.models.decoder import Decoder
-from attnlib.models.hf_llama import hf_state_and_config, rope_parameters
+from attnlib.models.hf_llama import check_weight_names, hf_state_and_config, rope_parameters
 
 __all__ = ["config_from_hf_qwen3_5", "from_hf_qwen3_5"]
 
@@ -198,9 +198,7 @@ def from_hf_qwen3_5(model_or_state_dict, config=None) -> Decoder:
     missing = sorted(k for group in names for k in group if k not in state)
     ignored = {"lm_head.weight"} if c.tie_embeddings else set()
     unused = sorted(k for k in set(state) - used - ignored if not k.startswith("mtp."))
-    if missing or unused:
-        raise ValueError(f"the weights do not match a Qwen3.5 model of this config: missing {missing[:5]}, "
-                         f"unexpected {unused[:5]}")
+    check_weight_names("Qwen3.5", missing, unused)
     with torch.no_grad():
         for mine, value in values.items():
             if own[mine].shape != value.shape:
