@@ -5,7 +5,9 @@
 * ``bench_<name>.json``: full-size runs of ``python -m attnlib.bench <name> --out FILE`` (chapters 15-19;
   ``bench_modern.json`` is ``train --modern``, chapter 16);
 * ``long_context.json``, ``beyond_softmax.json``, ``speculative.json``, ``layer_patterns.json``: the
-  experiments of chapters 17, 18, 19 and 20 (``python -m attnlib.book.experiments.<name>``).
+  experiments of chapters 17, 18, 19 and 20 (``python -m attnlib.book.experiments.<name>``);
+* ``recall.json``: chapter 21's multi-query associative recall experiment; ``kv_compression.json`` and
+  ``retrieval.json``: chapter 22's.
 
 Each file records the command, the machine and the commit that produced it. They are read
 with :mod:`importlib.resources`, never from a path computed from ``__file__``, so they are
