@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlib._checks import divisible, finite_number, positive_int, probability
-from attnlib.attention.linear import RecurrentLayer, check_recurrent_input
+from attnlib.attention.linear import RecurrentLayer, check_recurrent_input, short_convolution
 from attnlib.cache.recurrent import RecurrentState
 
 __all__ = ["DELTA_MODES", "GatedDeltaNet", "decay_parameters", "gated_delta_rule"]
@@ -285,20 +285,6 @@ class GatedDeltaNet(RecurrentLayer):
         conv = 0 if self.conv1d is None else self.conv1d.in_channels * (self.conv1d.kernel_size[0] - 1)
         return (self.n_v_heads * self.head_k_dim * self.head_v_dim + conv) * torch.empty((), dtype=dtype).element_size()
 
-    def short_conv(self, mixed: torch.Tensor, past: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``SiLU(causal depthwise conv)`` of ``mixed (B, T, channels)``, continuing ``past (B, channels, K - 1)``
-        (the inputs before, zeros at the start); returns ``(B, T, channels)`` and the new ``past``."""
-        B, T, C = mixed.shape
-        K = self.conv1d.kernel_size[0]
-        past = mixed.new_zeros(B, C, K - 1) if past is None else past
-        padded = torch.cat([past, mixed.transpose(1, 2)], dim=-1)  # (B, C, K - 1 + T)
-        w = self.conv1d.weight  # (C, 1, K): output t is Σ_j w[c, 0, j] · x[c, t - K + 1 + j], inputs t-K+1 .. t
-        if T == 1:  # a decoding step: one dot product with the last K inputs of each channel
-            out = (padded * w[:, 0]).sum(-1, keepdim=True)  # (B, C, K) -> (B, C, 1)
-        else:  # a sequence: the depthwise convolution (transformers' causal_conv1d_fn)
-            out = F.conv1d(padded, w, groups=C)  # (B, C, T)
-        return F.silu(out).transpose(1, 2), padded[..., padded.shape[-1] - (K - 1):]
-
     def _normalize(self, t: torch.Tensor) -> torch.Tensor:
         if self.l2norm == "fla":
             return t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6)
@@ -316,7 +302,7 @@ class GatedDeltaNet(RecurrentLayer):
         state = None if cache is None else cache.read()
         mixed, conv_state = self.qkv(x), None
         if self.conv1d is not None:
-            mixed, conv_state = self.short_conv(mixed, None if state is None else state[1])
+            mixed, conv_state = short_convolution(mixed, self.conv1d.weight, None if state is None else state[1])
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = self._normalize(heads(q, self.n_heads)), self._normalize(heads(k, self.n_heads)), heads(v, self.n_v_heads)
         if self.n_v_heads != self.n_heads:  # each q/k head serves a group of consecutive value heads

@@ -27,7 +27,7 @@ from torch import nn
 
 from attnlib._checks import divisible, finite_number, positive_int, probability
 from attnlib.attention.deltanet import decay_parameters, gated_delta_rule
-from attnlib.attention.linear import RecurrentLayer, check_recurrent_input
+from attnlib.attention.linear import RecurrentLayer, check_recurrent_input, short_convolution
 from attnlib.cache.recurrent import RecurrentState
 
 __all__ = ["KimiDeltaAttention", "kimi_delta_rule", "short_convolution"]
@@ -72,40 +72,6 @@ def kimi_delta_rule(
                          f"channel, q's shape); got {tuple(g.shape)}")
     return gated_delta_rule(q, k, v, beta, g, mode, chunk_size=chunk_size, scale=scale,
                             initial_state=initial_state, return_state=True)
-
-
-def short_convolution(x: torch.Tensor, weight: torch.Tensor,
-                      state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A depthwise causal convolution followed by SiLU, continuing from the last inputs (Mamba's short conv).
-
-    Args:
-        x: ``(B, T, channels)``. weight: ``(channels, 1, K)`` (an ``nn.Conv1d``'s with ``groups=channels``).
-        state: ``(B, channels, K - 1)``, the inputs before ``x`` (zeros: the start of the sequence).
-
-    Returns:
-        ``(SiLU(conv(x)) (B, T, channels), the last K - 1 inputs (B, channels, K - 1))``.
-
-    Raises:
-        TypeError: ``x`` or ``weight`` not a float tensor. ValueError: ``weight`` not ``(channels, 1, K)``,
-            ``x`` not 3-D, a ``state`` that is not ``(B, channels, K - 1)``.
-    """
-    for name, t, dims in (("x", x, 3), ("weight", weight, 3)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating point tensor; got {getattr(t, 'dtype', type(t).__name__)}")
-        if t.dim() != dims:
-            raise ValueError(f"{name} must be 3-D; got shape {tuple(t.shape)}")
-    if weight.shape[:2] != (x.shape[-1], 1) or weight.shape[-1] == 0:
-        raise ValueError(f"weight must have shape (channels={x.shape[-1]}, 1, K >= 1); got {tuple(weight.shape)}")
-    expected = (x.shape[0], x.shape[-1], weight.shape[-1] - 1)
-    if state is not None and (not isinstance(state, torch.Tensor) or state.shape != expected):
-        raise ValueError(f"state must be a tensor of shape (B, channels, K - 1) = {expected}; "
-                         f"got {tuple(getattr(state, 'shape', ())) or type(state).__name__}")
-    x = x.transpose(1, 2)  # (B, channels, T)
-    if state is None:
-        state = x.new_zeros(*x.shape[:2], weight.shape[-1] - 1)
-    x = torch.cat([state, x], dim=-1)  # (B, channels, K - 1 + T): the left context, then the new inputs
-    y = F.silu(F.conv1d(x, weight, groups=x.shape[1]))  # (B, channels, T): no padding needed
-    return y.transpose(1, 2), x[..., x.shape[-1] - state.shape[-1]:]
 
 
 class KimiDeltaAttention(RecurrentLayer):

@@ -21,7 +21,8 @@ from torch import nn
 from attnlib._checks import divisible, finite_number, positive_int, probability
 from attnlib.cache.recurrent import RecurrentState
 
-__all__ = ["FEATURE_MAPS", "LINEAR_MODES", "LinearAttention", "RecurrentLayer", "check_feature_map", "linear_attention"]
+__all__ = ["FEATURE_MAPS", "LINEAR_MODES", "LinearAttention", "RecurrentLayer", "check_feature_map", "linear_attention",
+           "short_convolution"]
 
 #: Feature maps known to be positive, by name: the weights ``φ(q)·φ(k)`` they give are >= 0.
 FEATURE_MAPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -301,3 +302,41 @@ class LinearAttention(RecurrentLayer):
             cache.write(state, T)
         y = y.transpose(1, 2).reshape(B, T, self.d_model)  # (B, h, T, hd) -> (B, T, d_model)
         return self.resid_dropout(self.out_proj(y))
+
+
+def short_convolution(x: torch.Tensor, weight: torch.Tensor,
+                      state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A depthwise causal convolution followed by SiLU, continuing from the last inputs (Mamba's short conv).
+
+    Args:
+        x: ``(B, T, channels)``. weight: ``(channels, 1, K)`` (an ``nn.Conv1d``'s with ``groups=channels``).
+        state: ``(B, channels, K - 1)``, the inputs before ``x`` (zeros: the start of the sequence).
+
+    Returns:
+        ``(SiLU(conv(x)) (B, T, channels), the last K - 1 inputs (B, channels, K - 1))``.
+
+    Raises:
+        TypeError: ``x`` or ``weight`` not a float tensor. ValueError: ``weight`` not ``(channels, 1, K)``,
+            ``x`` not 3-D, a ``state`` that is not ``(B, channels, K - 1)``.
+    """
+    for name, t, dims in (("x", x, 3), ("weight", weight, 3)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating point tensor; got {getattr(t, 'dtype', type(t).__name__)}")
+        if t.dim() != dims:
+            raise ValueError(f"{name} must be 3-D; got shape {tuple(t.shape)}")
+    if weight.shape[:2] != (x.shape[-1], 1) or weight.shape[-1] == 0:
+        raise ValueError(f"weight must have shape (channels={x.shape[-1]}, 1, K >= 1); got {tuple(weight.shape)}")
+    expected = (x.shape[0], x.shape[-1], weight.shape[-1] - 1)
+    if state is not None and (not isinstance(state, torch.Tensor) or state.shape != expected):
+        raise ValueError(f"state must be a tensor of shape (B, channels, K - 1) = {expected}; "
+                         f"got {tuple(getattr(state, 'shape', ())) or type(state).__name__}")
+    x = x.transpose(1, 2)  # (B, channels, T)
+    if state is None:
+        state = x.new_zeros(*x.shape[:2], weight.shape[-1] - 1)
+    x = torch.cat([state, x], dim=-1)  # (B, channels, K - 1 + T): the left context, then the new inputs
+    # output t is Σ_j weight[c, 0, j] · x[c, t + j]: inputs t - K + 1 .. t of the unpadded sequence
+    if x.shape[-1] == weight.shape[-1]:  # one new input (a decoding step): one dot product per channel
+        y = (x * weight[:, 0]).sum(-1, keepdim=True)  # (B, channels, K) -> (B, channels, 1)
+    else:  # a sequence: the depthwise convolution (transformers' causal_conv1d_fn)
+        y = F.conv1d(x, weight, groups=x.shape[1])  # (B, channels, T): no padding needed
+    return F.silu(y).transpose(1, 2), x[..., x.shape[-1] - state.shape[-1]:]

@@ -1,34 +1,23 @@
 r"""Multi-query associative recall (MQAR) against the bytes a model keeps per sequence. Chapter 21.
 
-MQAR (Arora et al. 2023, "Zoology", §3): a sequence first lists ``N`` key-value pairs
-``k_1 v_1 … k_N v_N`` (keys distinct), then asks for every key again in a random order; after each
-queried key the model must output that key's value. Softmax attention can look the pair up
-wherever it is; a layer with a fixed-size state must have stored all ``N`` pairs in it, so its
-recall falls as ``N`` grows, and a sliding window forgets the pairs that left it. Layout of one
-sequence (token ids: pad 0, keys ``1..n_keys``, values ``n_keys+1..n_keys+n_values``)::
+MQAR (Arora et al. 2023, "Zoology", §3): a sequence lists ``N`` key-value pairs (keys distinct),
+then asks for every key again in a random order; after each queried key the model must output
+its value (:func:`mqar_batch`: pad 0, keys ``1..n_keys``, then the values' ids; only the answers
+are scored). Attention can look a pair up wherever it is; a fixed-size state must hold all ``N``
+pairs; a sliding window forgets the pairs that left it.
 
-    k_1 v_1 k_2 v_2 … k_N v_N  k_π1 v_π1 k_π2 v_π2 … k_πN v_πN  0 0 … 0
-    targets: -100 everywhere except at each queried key k_πj, whose target is v_πj
-
-Recall accuracy is the share of queried values that the argmax of the logits gets right.
-
-Every design is one Llama-style :class:`attnlib.Decoder` (:meth:`attnlib.DecoderConfig.llama`:
-d_model 128, 4 heads of 32, 2 layers, context 64) that differs only in its attention layers
-(:data:`DESIGNS`): full attention; sliding windows of 16 and 32; linear attention; gated DeltaNet;
-a hybrid (a gated-DeltaNet layer, then a full one: Qwen3.5's period of three linear layers to one
-full layer needs four layers, and in a trial a four-layer full-attention model of this width was
-still on the plateau after 500 steps, where the two-layer one had solved every N); top-k attention
-(:class:`attnlib.attention.TopKAttention`, each query keeping its 8 keys of highest ``q·k``).
-Each trains alike (AdamW without weight decay, lr 1e-3 with a linear warm-up over the first 10 %
-of the steps then cosine decay, gradients clipped at 1; 64 sequences a step, ``N`` cycling
-through 2, 4, 8, 16, each sequence ``4 · N`` tokens; 1,200 steps) and is evaluated per ``N`` on
-the same 256 held-out sequences. Width matters: at d_model 64 the same models stay for thousands
-of steps on a plateau where they pick a value of the sequence they have not yet been asked for
-(accuracy near ``H_N / N``). The bytes are those one sequence keeps in
-float32 (KV cache positions, or the recurrent state), at ``T = 4·N``. The same designs are then
-trained briefly on Tiny Shakespeare (context 64, batch 16, lr 1e-3; 300 steps) for their
-validation loss. The committed run (``attnlib/book/results/recall.json``; one thread per process,
-two processes at a time on a 2-core machine, then merged)::
+Every design (:data:`DESIGNS`) is one Llama-style :class:`attnlib.Decoder` (d_model 128, 4 heads
+of 32, 2 layers, context 64) that differs only in its attention layers: full; sliding windows of
+16 and 32; linear attention; gated DeltaNet; a 1:1 hybrid (gated DeltaNet, then full: Qwen3.5's
+3:1 needs four layers, and a four-layer model of this width was still on the plateau after 500
+steps in a trial); top-8 attention. All train alike (AdamW, no weight decay, lr 1e-3, 10 %
+warm-up then cosine, clipping at 1; 64 sequences a step, ``N`` cycling through 2, 4, 8, 16 with
+``4 · N`` tokens; 1,200 steps), are evaluated per ``N`` on the same 256 held-out sequences, and
+then train 300 steps on Tiny Shakespeare for a validation loss. Bytes: float32, one sequence of
+``T = 4 · N`` tokens (KV cache or recurrent state). At d_model 64 the models sit for thousands of
+steps near ``H_N / N`` (answering with a value not yet asked for); an earlier run with ``N`` up to
+32 and 800 steps left every design but full attention without the lookup, and full attention too
+in one seed of three. The committed run (one thread per process, two at a time on 2 cores)::
 
     python -m attnlib.book.experiments.recall --seeds 1337 --out runs/recall_1337.json
     python -m attnlib.book.experiments.recall --seeds 1338 --out runs/recall_1338.json
@@ -39,10 +28,6 @@ two processes at a time on a 2-core machine, then merged)::
     python -m attnlib.book.experiments.recall --merge-only --merge-with runs/recall_1337.json \
         runs/recall_1338.json runs/recall_1339a.json runs/recall_1339b.json \
         --out attnlib/book/results/recall.json
-
-An earlier run with ``N`` up to 32 (context 128) and 800 steps left every design but full
-attention near the answers a model gives without the lookup, and full attention too in one seed
-of three: the small ``N`` teach the lookup, and the larger ones need more steps.
 """
 from __future__ import annotations
 
@@ -91,7 +76,9 @@ PAD = 0
 
 def mqar_batch(batch_size: int, pairs: int, generator: torch.Generator, *, n_keys: int = MQAR["n_keys"],
                n_values: int = MQAR["n_values"], seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch of MQAR sequences of ``pairs = N`` key-value pairs each (the layout is in the module docstring).
+    """A batch of MQAR sequences of ``pairs = N`` key-value pairs each, laid out as (``π`` a random order)::
+
+        k_1 v_1 … k_N v_N  k_π1 v_π1 … k_πN v_πN  0 … 0     targets: v_πj at each queried key k_πj, else -100
 
     Args:
         batch_size: rows. pairs: ``N``. generator: the source of randomness (one state, one batch).
