@@ -41,7 +41,7 @@ import torch
 from attnlib import _cli
 from attnlib.book import results as results_files
 from attnlib.book.experiments.compare_attention import _machine
-from attnlib.book.experiments.seeds import seed_summary
+from attnlib.book.experiments.seeds import add_seed_runs, seed_summary
 from attnlib.data import load_char_corpus
 from attnlib.models import Decoder, DecoderConfig
 from attnlib.train import TrainConfig, train
@@ -172,15 +172,8 @@ def merge(first: dict, more: dict) -> dict:
         b = {k: v for k, v in more[key].items() if k != "seed"}
         if a != b:
             raise ValueError(f"{key} settings differ: {a} vs {b}")
-    merged = json.loads(json.dumps(first))  # a deep copy
-    for name, run in more["variants"].items():
-        entry = merged["variants"].setdefault(name, {**run, "by_seed": {}})
-        for seed, seed_run in run["by_seed"].items():
-            if seed in entry["by_seed"]:
-                raise ValueError(f"pattern={name!r}: seed {seed} is in both runs")
-            entry["by_seed"][seed] = seed_run
+    merged = add_seed_runs(first, more, "variants", "pattern")
     merged["seeds"] = list(dict.fromkeys([*first["seeds"], *more["seeds"]]))
-    merged["meta"].setdefault("merged", []).append(more["meta"])
     return merged
 
 

@@ -46,6 +46,7 @@ from attnlib.attention.sparse import TopKAttention
 from attnlib.book import results as results_files
 from attnlib.book.experiments.compare_attention import _machine
 from attnlib.book.experiments.layer_patterns import cache_bytes_at
+from attnlib.book.experiments.seeds import add_seed_runs
 from attnlib.data import load_char_corpus
 from attnlib.models import Decoder, DecoderConfig
 from attnlib.train import TrainConfig, train
@@ -242,15 +243,8 @@ def merge(first: dict, more: dict) -> dict:
     for key in ("model", "mqar", "training", "shakespeare"):
         if first[key] != more[key]:
             raise ValueError(f"{key} settings differ: {first[key]} vs {more[key]}")
-    merged = json.loads(json.dumps(first))  # a deep copy
-    for name, design in more["designs"].items():
-        entry = merged["designs"].setdefault(name, {**design, "by_seed": {}})
-        for seed, run in design["by_seed"].items():
-            if seed in entry["by_seed"]:
-                raise ValueError(f"design={name!r}: seed {seed} is in both runs")
-            entry["by_seed"][seed] = run
+    merged = add_seed_runs(first, more, "designs", "design")
     merged["seeds"] = sorted({*first["seeds"], *more["seeds"]})
-    merged["meta"].setdefault("merged", []).append(more["meta"])
     return merged
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["merge_seeds", "seed_summary"]
+__all__ = ["add_seed_runs", "merge_seeds", "seed_summary"]
 
 
 def seed_summary(results: dict, step: int | None = None) -> dict[str, dict[str, float]]:
@@ -87,4 +87,23 @@ def merge_seeds(first: dict, more: dict, model_keys=()) -> dict:
             merged["variants"][name]["by_seed"][seed] = seed_run
     merged["seeds"] = list(dict.fromkeys([*first.get("seeds", [first["training"]["seed"]]), *more["seeds"]]))
     merged["meta"]["merged"] = [*first["meta"].get("merged", []), more["meta"]]
+    return merged
+
+
+def add_seed_runs(first: dict, more: dict, group: str, label: str) -> dict:
+    """A deep copy of ``first`` with the ``by_seed`` runs of ``more[group]``'s entries added (an entry ``first``
+    lacks comes whole) and ``more``'s meta listed in ``meta["merged"]``; the callers check the settings first
+    and set ``seeds``. Used by the experiments of chapters 20 and 21 (``--merge-with``).
+
+    Raises:
+        ValueError: a (``label``, seed) run that both hold.
+    """
+    merged = json.loads(json.dumps(first))  # a deep copy
+    for name, entry in more[group].items():
+        into = merged[group].setdefault(name, {**entry, "by_seed": {}})
+        for seed, run in entry["by_seed"].items():
+            if seed in into["by_seed"]:
+                raise ValueError(f"{label}={name!r}: seed {seed} is in both runs")
+            into["by_seed"][seed] = run
+    merged["meta"].setdefault("merged", []).append(more["meta"])
     return merged
