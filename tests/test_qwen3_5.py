@@ -20,11 +20,15 @@ SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_
              num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
              linear_value_head_dim=12, linear_conv_kernel_dim=4, max_position_embeddings=96, rms_norm_eps=1e-6,
              initializer_range=0.1, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+#: Qwen3-Next's and Qwen3.5's long-context recipe in small: YaRN on the turned quarter of each head.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 24, "rope_theta": 1e4,
+        "partial_rotary_factor": 0.25}
 CONFIGS = {
     "grouped-values": dict(),  # transformers' layout: layers 0-2 DeltaNet, 3 full; 2 key heads serve 4 value heads
     "tied-half-rotary": dict(tie_word_embeddings=True, linear_num_value_heads=2, linear_conv_kernel_dim=2,
                              layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"],
                              rope_parameters={"rope_type": "default", "rope_theta": 1e5, "partial_rotary_factor": 0.5}),
+    "yarn-quarter-rotary": dict(rope_parameters=YARN),  # a context stretched 4x (96 of 24): positions past 24 tested
 }
 
 
@@ -138,16 +142,45 @@ def test_state_dict_and_config_dict():
         torch.testing.assert_close(ours(idx)[0], hf(idx).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_leading_rotary_embedding_equals_transformers():
-    """RoPE on the leading quarter of each head, at that quarter's frequencies (not Gemma 4's proportional)."""
-    config = Qwen3_5TextConfig(**SIZES)
+SCALINGS = {  # each RoPE type attnlib reproduces, over a context of 32 (rope_frequencies' types)
+    "default": {},
+    "linear": {"factor": 4.0},
+    "dynamic": {"factor": 4.0},
+    "yarn": {"factor": 4.0, "original_max_position_embeddings": 8},
+    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SCALINGS))
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_leading_rotary_embedding_equals_transformers(kind, fraction):
+    """RoPE on the leading part of each head, at that part's frequencies (not Gemma 4's proportional), scaled as
+    transformers scales it: positions 7-39 pass the context of 32 (dynamic grows its base) and YaRN's 8."""
+    rope = {"rope_type": kind, **SCALINGS[kind]}
+    config = Qwen3_5TextConfig(**{**SIZES, "max_position_embeddings": 32},
+                               rope_parameters={**rope, "rope_theta": 1e4, "partial_rotary_factor": fraction})
     positions = torch.arange(7, 40)[None]
     cos, sin = Qwen3_5TextRotaryEmbedding(config)(torch.zeros(1), positions)  # angles in float32, as ours
     q, k = torch.randn(2, 1, 4, 33, 16, generator=torch.Generator().manual_seed(0)).unbind(0)
     expected, _ = apply_rotary_pos_emb(q, k, cos, sin)
-    ours = LeadingRotaryEmbedding(16, 10000.0, 0.25)
+    ours = LeadingRotaryEmbedding(16, 1e4, fraction, None if kind == "default" else rope, max_position_embeddings=32)
+    turned = int(16 * fraction)
+    assert not torch.allclose(expected[..., :turned], q[..., :turned])  # the leading part is turned
     torch.testing.assert_close(ours.rotate(q, positions[0]), expected, atol=1e-6, rtol=0)
-    assert torch.equal(ours.rotate(q, positions[0])[..., 4:], q[..., 4:])  # the rest is untouched
+    assert torch.equal(ours.rotate(q, positions[0])[..., turned:], q[..., turned:])  # the rest is untouched
+
+
+def test_yarn_is_read_and_matters():
+    """The loader keeps YaRN's fields apart from the share turned; the same weights without YaRN differ."""
+    config = config_from_hf_qwen3_5(Qwen3_5TextConfig(**SIZES, rope_parameters=YARN))
+    assert config.partial_rotary_factor == 0.25 and config.rope_base == 1e4
+    assert config.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 24}
+    hf = tiny(rope_parameters=YARN)
+    unscaled = attnlib.Decoder(config.replace(rope_scaling=None)).eval()
+    unscaled.load_state_dict(attnlib.from_hf_qwen3_5(hf).state_dict())
+    idx = tokens((1, 40), seed=3)
+    with torch.no_grad():
+        assert (unscaled(idx)[0] - hf(idx).logits).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("config, words", [
@@ -156,8 +189,9 @@ def test_leading_rotary_embedding_equals_transformers():
     (Qwen3_5TextConfig(**SIZES, hidden_act="gelu"), "hidden_act='gelu'"),
     (Qwen3_5TextConfig(**SIZES, attention_bias=True), "attention_bias=True"),
     (Qwen3_5TextConfig(**SIZES, attention_dropout=0.1), "attention_dropout=0.1"),
-    (Qwen3_5TextConfig(**SIZES, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4,
-                                                 "partial_rotary_factor": 0.25}), "rope_parameters"),
+    (Qwen3_5TextConfig(**SIZES, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.25,
+                                                 "short_factor": [1.0] * 2, "long_factor": [1.0] * 2,
+                                                 "original_max_position_embeddings": 24}), "RoPE type 'longrope'"),
 ])
 def test_unreproducible_configs_are_refused_by_name(config, words):
     with pytest.raises(ValueError, match=words):

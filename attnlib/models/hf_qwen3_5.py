@@ -32,6 +32,7 @@ import torch
 from attnlib.models.config import DecoderConfig
 from attnlib.models.decoder import Decoder
 from attnlib.models.hf_llama import check_weight_names, hf_state_and_config, rope_parameters
+from attnlib.positional.scaling import ROPE_TYPES
 
 __all__ = ["config_from_hf_qwen3_5", "from_hf_qwen3_5"]
 
@@ -82,20 +83,25 @@ def config_from_hf_qwen3_5(hf_config) -> DecoderConfig:
         TypeError: ``hf_config`` neither a config nor a mapping.
         ValueError: a mixture-of-experts or vision-language config, another ``model_type``; a setting attnlib cannot
             reproduce, named: ``hidden_act`` other than ``silu``, ``attention_bias``, ``attention_dropout`` > 0, a
-            ``layer_types`` entry other than linear or full attention, ``rope_parameters`` other than default RoPE.
+            ``layer_types`` entry other than linear or full attention, a RoPE type attnlib does not reproduce
+            (:data:`~attnlib.positional.scaling.ROPE_TYPES`; linear, dynamic, YaRN and Llama 3 scaling are, on the
+            turned part of each head, as transformers applies them), or fields that type does not take.
     """
     hf = _hf_config(hf_config)
     get = lambda k, d=None: getattr(hf, k, d)  # noqa: E731
     theta, kind, rope = rope_parameters(get, 10000.0)
     fraction = float(rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) or 1.0)
     types = list(hf.layer_types)
+    # a scaled RoPE (YaRN for long contexts, ...) on the turned part: its fields, the share turned kept apart
+    scaling = None if kind == "default" else {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
     refused = {
         "hidden_act": (hf.hidden_act != "silu", "only SiLU (SwiGLU and the convolution's SiLU) is reproduced"),
         "attention_bias": (bool(hf.attention_bias), "transformers puts biases on the softmax layers only; attnlib's "
                            "attention_bias covers the DeltaNet layers too"),
         "attention_dropout": (bool(hf.attention_dropout), "dropout on attention weights alone is not reproduced"),
         "layer_types": (not set(types) <= {"linear_attention", "full_attention"}, "only linear and full layers"),
-        "rope_parameters": (kind != "default", "only the default RoPE type (with partial_rotary_factor) is reproduced"),
+        "rope_parameters": (not isinstance(kind, str) or kind not in ROPE_TYPES,
+                            f"RoPE type {kind!r} (attnlib reproduces {sorted(ROPE_TYPES)})"),
     }
     for name, (bad, why) in refused.items():
         if bad:
@@ -106,7 +112,7 @@ def config_from_hf_qwen3_5(hf_config) -> DecoderConfig:
         head_dim=hf.head_dim or hf.hidden_size // hf.num_attention_heads, attention="gqa", layer_types=tuple(types),
         linear_layer="gated_deltanet", position="rope", rope_base=theta, norm="rmsnorm", norm_eps=hf.rms_norm_eps,
         qk_norm=True, feedforward="swiglu", d_ff=hf.intermediate_size, bias=False, attention_bias=False,
-        mlp_bias=False, tie_embeddings=bool(hf.tie_word_embeddings),
+        mlp_bias=False, tie_embeddings=bool(hf.tie_word_embeddings), rope_scaling=scaling,
         partial_rotary_factor=None if fraction == 1.0 else fraction, attn_output_gate=True,
         linear_conv_kernel_dim=hf.linear_conv_kernel_dim, linear_num_key_heads=hf.linear_num_key_heads,
         linear_num_value_heads=hf.linear_num_value_heads, linear_key_head_dim=hf.linear_key_head_dim,
