@@ -6,7 +6,13 @@ import copy
 
 import pytest
 import torch
-from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+from transformers import (
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+)
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding, apply_rotary_pos_emb
 
 import attnlib
@@ -34,11 +40,22 @@ CONFIGS = {
 
 def tiny(seed: int = 0, **fields) -> Qwen3_5ForCausalLM:
     torch.manual_seed(seed)
-    hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**SIZES, **fields})).eval()
+    return _norms_moved(Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**SIZES, **fields})).eval())
+
+
+def _norms_moved(hf):
     for name, p in hf.named_parameters():  # norms away from their init (0: x · (1 + 0); 1 for the gated norm)
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight") and ".visual." not in name:
             p.data.uniform_(0.5, 1.5) if "linear_attn" in name else p.data.uniform_(-0.5, 0.5)
     return hf
+
+
+#: A vision tower of one block: Qwen3.5 as published is Qwen3_5ForConditionalGeneration.
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+              temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+#: Its text config's RoPE, with the multimodal sections (text positions turn them all alike).
+MROPE = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+         "mrope_interleaved": True}
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -53,6 +70,7 @@ def tokens(shape, seed: int = 1) -> torch.Tensor:
 
 def test_config_read_as_transformers_does():
     c = config_from_hf_qwen3_5(Qwen3_5TextConfig(**SIZES))
+    assert config_from_hf_qwen3_5(Qwen3_5Config(text_config=SIZES).to_dict()) == c  # a vision-language config's text
     assert c.layer_types == ("linear_attention",) * 3 + ("full_attention",)  # full_attention_interval = 4
     assert (c.partial_rotary_factor, c.attn_output_gate, c.linear_conv_kernel_dim) == (0.25, True, 4)
     assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim) == (2, 4, 8, 12)
@@ -134,6 +152,25 @@ def test_greedy_generation_equals_transformers(pair):
     assert len(set(cached[0, 6:].tolist())) > 1  # not one token repeated
 
 
+@pytest.mark.parametrize("rope", [MROPE, {**YARN, "mrope_section": [1, 1, 0], "mrope_interleaved": True}],
+                         ids=["mrope", "mrope-yarn"])
+def test_vision_language_checkpoint_loads_its_language_model(rope):
+    """A Qwen3_5ForConditionalGeneration (its Qwen3_5Config) loads as its language model: the same text logits,
+    from the model or from its state dict and config dict; the vision tower's weights are not asked for."""
+    torch.manual_seed(0)
+    config = Qwen3_5Config(text_config={**SIZES, "rope_parameters": rope}, vision_config=VISION)
+    hf = _norms_moved(Qwen3_5ForConditionalGeneration(config).eval())
+    assert any(k.startswith("model.visual.") for k in hf.state_dict())
+    idx = tokens((2, 40))
+    with torch.no_grad():
+        expected = hf(input_ids=idx).logits
+        for ours in (attnlib.from_hf_qwen3_5(hf), attnlib.from_hf_qwen3_5(hf.state_dict(), config=config.to_dict())):
+            torch.testing.assert_close(ours.eval()(idx)[0], expected, atol=1e-5, rtol=1e-5)
+    text = {k: v for k, v in hf.state_dict().items() if k.startswith("model.language_model.")}
+    with pytest.raises(ValueError, match="lm_head.weight"):  # the language model's own weights are still all needed
+        attnlib.from_hf_qwen3_5(text, config=config)
+
+
 def test_state_dict_and_config_dict():
     hf = tiny(seed=1)
     ours = attnlib.from_hf_qwen3_5(hf.state_dict(), config=hf.config.to_dict()).eval()
@@ -185,7 +222,6 @@ def test_yarn_is_read_and_matters():
 
 @pytest.mark.parametrize("config, words", [
     (Qwen3_5MoeTextConfig(**{k: v for k, v in SIZES.items() if k != "intermediate_size"}), "mixture-of-experts"),
-    (Qwen3_5Config(text_config=SIZES), "text_config"),
     (Qwen3_5TextConfig(**SIZES, hidden_act="gelu"), "hidden_act='gelu'"),
     (Qwen3_5TextConfig(**SIZES, attention_bias=True), "attention_bias=True"),
     (Qwen3_5TextConfig(**SIZES, attention_dropout=0.1), "attention_dropout=0.1"),

@@ -19,9 +19,13 @@ DeltaNet's gated one) multiply by ``1 + weight``, as Gemma 3's: the loader store
 the same number (see :mod:`attnlib.models.hf_gemma`). Text positions only: with one position per token the
 multimodal RoPE's three sections (``mrope_section``) turn by the same angles, plain RoPE.
 
-Refused with a ``ValueError`` naming the setting: mixture-of-experts configs (``qwen3_5_moe``), the
-vision-language ``Qwen3_5Config`` (pass its ``text_config``), another activation, biases on the attention
-(transformers gives them to the softmax layers only), attention dropout, a RoPE type other than the default.
+A vision-language checkpoint (``Qwen3_5ForConditionalGeneration`` and its ``Qwen3_5Config``, as Qwen3.5 is
+published) loads as its language model: the ``text_config``, the weights under ``model.language_model.``; the
+vision tower (``model.visual.*``) is not built, so the model reads token ids only.
+
+Refused with a ``ValueError`` naming the setting: mixture-of-experts configs (``qwen3_5_moe``), another
+activation, biases on the attention (transformers gives them to the softmax layers only), attention dropout, a
+RoPE type attnlib does not reproduce (YaRN and the other scalings of chapter 17 are reproduced).
 """
 from __future__ import annotations
 
@@ -60,9 +64,11 @@ def _hf_config(hf_config):
         raise TypeError(f"hf_config must be a transformers Qwen3_5TextConfig or its dict; got {type(hf_config).__name__}")
     get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
     model_type = get("model_type", "qwen3_5_text")
-    if model_type == "qwen3_5":
-        raise ValueError("model_type='qwen3_5' is the vision-language Qwen3_5Config; from_hf_qwen3_5 loads the text "
-                         "model: pass its text_config (and Qwen3_5ForCausalLM's weights)")
+    if model_type == "qwen3_5":  # the vision-language config: its language model's
+        text = get("text_config", None)
+        if text is None:
+            raise ValueError("model_type='qwen3_5' (vision-language) config without a text_config")
+        return _hf_config(text)
     moe = [name for name in _MOE_FIELDS if get(name, None)]
     if "moe" in str(model_type) or moe:
         raise ValueError(f"cannot reproduce model_type={model_type!r} with {moe or 'experts'}: mixture-of-experts "
@@ -77,11 +83,12 @@ def _hf_config(hf_config):
 
 
 def config_from_hf_qwen3_5(hf_config) -> DecoderConfig:
-    """The :class:`~attnlib.DecoderConfig` of a ``transformers`` ``Qwen3_5TextConfig`` (or its dict). Chapter 21.
+    """The :class:`~attnlib.DecoderConfig` of a ``transformers`` ``Qwen3_5TextConfig`` (or its dict), or of a
+    vision-language ``Qwen3_5Config``'s ``text_config``. Chapter 21.
 
     Raises:
         TypeError: ``hf_config`` neither a config nor a mapping.
-        ValueError: a mixture-of-experts or vision-language config, another ``model_type``; a setting attnlib cannot
+        ValueError: a mixture-of-experts config, another ``model_type``; a setting attnlib cannot
             reproduce, named: ``hidden_act`` other than ``silu``, ``attention_bias``, ``attention_dropout`` > 0, a
             ``layer_types`` entry other than linear or full attention, a RoPE type attnlib does not reproduce
             (:data:`~attnlib.positional.scaling.ROPE_TYPES`; linear, dynamic, YaRN and Llama 3 scaling are, on the
@@ -93,7 +100,9 @@ def config_from_hf_qwen3_5(hf_config) -> DecoderConfig:
     fraction = float(rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) or 1.0)
     types = list(hf.layer_types)
     # a scaled RoPE (YaRN for long contexts, ...) on the turned part: its fields, the share turned kept apart
-    scaling = None if kind == "default" else {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
+    # (the multimodal sections turn text positions as plain RoPE does: see the module's docstring)
+    apart = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+    scaling = None if kind == "default" else {k: v for k, v in rope.items() if k not in apart}
     refused = {
         "hidden_act": (hf.hidden_act != "silu", "only SiLU (SwiGLU and the convolution's SiLU) is reproduced"),
         "attention_bias": (bool(hf.attention_bias), "transformers puts biases on the softmax layers only; attnlib's "
@@ -175,14 +184,25 @@ def _wanted(c: DecoderConfig, state: dict) -> tuple[dict, set, set]:
     return values, used, centred
 
 
+def _language_model(state: dict) -> dict:
+    """A vision-language checkpoint's language model under ``Qwen3_5ForCausalLM``'s names (``model.language_model.*``
+    as ``model.*``), its vision tower (``model.visual.*``) left out; a text checkpoint as it is."""
+    inner = "model.language_model."
+    if not any(k.startswith(inner) for k in state):
+        return state
+    return {("model." + k[len(inner):] if k.startswith(inner) else k): v
+            for k, v in state.items() if not k.startswith("model.visual.")}
+
+
 def from_hf_qwen3_5(model_or_state_dict, config=None) -> Decoder:
     """An attnlib :class:`~attnlib.Decoder` equal to a ``transformers`` ``Qwen3_5ForCausalLM`` (dense, text).
     Chapter 21.
 
     Args:
-        model_or_state_dict: a ``Qwen3_5ForCausalLM``, or its ``state_dict()`` (then ``config`` is needed).
-        config: the ``Qwen3_5TextConfig`` (or its dict); default: the model's. Given with a model, it must describe
-            the same model.
+        model_or_state_dict: a ``Qwen3_5ForCausalLM`` or a ``Qwen3_5ForConditionalGeneration`` (its language
+            model), or its ``state_dict()`` (then ``config`` is needed).
+        config: the ``Qwen3_5TextConfig`` or ``Qwen3_5Config`` (or its dict); default: the model's. Given with a
+            model, it must describe the same model.
 
     Returns:
         a model in the weights' dtype whose ``forward(idx)`` gives the same logits (1e-5 in float32); its
@@ -192,11 +212,12 @@ def from_hf_qwen3_5(model_or_state_dict, config=None) -> Decoder:
 
     Raises:
         TypeError: neither a model nor a mapping; a state dict value that is not a floating point tensor.
-        ValueError: a setting attnlib cannot reproduce (:func:`config_from_hf_qwen3_5`: MoE, vision-language, ...),
+        ValueError: a setting attnlib cannot reproduce (:func:`config_from_hf_qwen3_5`: MoE, ...),
             missing or unexpected weights (named; multi-token-prediction ``mtp.*`` weights are ignored, as
             transformers does), a shape mismatch, a ``config`` that contradicts the model's own.
     """
     state, config = hf_state_and_config(model_or_state_dict, config, config_from_hf_qwen3_5)
+    state = _language_model(state)
     ours = Decoder(config_from_hf_qwen3_5(config))
     c, own = ours.config, ours.state_dict()
     values, used, centred = _wanted(c, state)
