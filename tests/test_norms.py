@@ -18,6 +18,29 @@ def test_rmsnorm_equals_torch(eps):
     torch.testing.assert_close(ours(x), ref(x))
 
 
+def test_rmsnorm_backward_gives_autograds_gradients_and_second_derivatives():
+    """The written-out backward against autograd through nn.RMSNorm; computed in place (no create_graph) it gives
+    the bits of the out-of-place one (create_graph); gradcheck and gradgradcheck in float64, weight included."""
+    ours, ref = RMSNorm(12, eps=1e-6), nn.RMSNorm(12, eps=1e-6)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(12))
+        ref.weight.copy_(ours.weight)
+    x = (torch.randn(3, 5, 12) * 3).requires_grad_()
+    upstream = torch.randn(3, 5, 12)
+    grads = torch.autograd.grad(ours(x), (x, ours.weight), upstream)
+    x_ref = x.detach().requires_grad_()
+    for got, expected in zip(grads, torch.autograd.grad(ref(x_ref), (x_ref, ref.weight), upstream)):
+        torch.testing.assert_close(got, expected)
+    differentiable = torch.autograd.grad(ours(x), (x, ours.weight), upstream, create_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(grads, differentiable))
+    norm = RMSNorm(6).double()
+    x64 = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    f = lambda t, w: torch.func.functional_call(norm, {"weight": w}, (t,))  # noqa: E731
+    assert torch.autograd.gradcheck(f, (x64, weight))
+    assert torch.autograd.gradgradcheck(f, (x64, weight))
+
+
 def test_rmsnorm_unit_rms_and_wrong_formula_differs():
     x = torch.randn(4, 16) * 5
     y = RMSNorm(16)(x)

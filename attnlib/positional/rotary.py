@@ -34,10 +34,16 @@ def turn(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
     Returns ``(x1 cos - x2 sin, x2 cos + x1 sin)``, a tensor like ``x``: ``x · cos`` plus the
     halves swapped, ``(x2, x1)``, times ``(-sin, sin)``. This is ``transformers``' ``x · cos +
     rotate_half(x) · sin`` with the sign of ``rotate_half`` moved into ``sin``, computed once per
-    model step, and its concatenation replaced by one ``torch.roll``: the same bits, faster.
+    model step, and its concatenation replaced by one ``torch.roll``: the same bits, faster. When
+    autograd is not recording (generation, :class:`_Rotation`), the products are summed in place:
+    the same bits again, in two fresh buffers instead of four.
     """
     swapped = torch.roll(x, x.shape[-1] // 2, dims=-1)  # (x1, x2) -> (x2, x1)
-    return x * cos + swapped * signed_sin
+    turned = x * cos
+    recording = torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or signed_sin.requires_grad)
+    if recording or turned.shape != x.shape:  # (tables wider than x: the products out of place too)
+        return turned + swapped * signed_sin
+    return turned.add_(swapped.mul_(signed_sin))
 
 
 class _Rotation(torch.autograd.Function):
@@ -58,7 +64,9 @@ class _Rotation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         cos, signed_sin, back_sin = ctx.saved_tensors
-        return _Rotation.apply(grad, cos, back_sin, signed_sin), None, None, None  # turned back by -θ (differentiable again)
+        if torch.is_grad_enabled():  # create_graph: the turn back as a node of its own (differentiable again)
+            return _Rotation.apply(grad, cos, back_sin, signed_sin), None, None, None
+        return turn(grad, cos, back_sin), None, None, None  # turned back by -θ
 
 
 class RotaryEmbedding(nn.Module):
