@@ -152,23 +152,31 @@ def test_greedy_generation_equals_transformers(pair):
     assert len(set(cached[0, 6:].tolist())) > 1  # not one token repeated
 
 
-@pytest.mark.parametrize("rope", [MROPE, {**YARN, "mrope_section": [1, 1, 0], "mrope_interleaved": True}],
-                         ids=["mrope", "mrope-yarn"])
-def test_vision_language_checkpoint_loads_its_language_model(rope):
+@pytest.mark.parametrize(("rope", "ties"), [
+    (MROPE, {}),
+    ({**YARN, "mrope_section": [1, 1, 0], "mrope_interleaved": True}, {}),
+    (MROPE, {"tie_word_embeddings": True}),  # the whole model's flag ties the head
+    (MROPE, {"text": True}),  # the text config's flag alone does not (transformers ties by the outer config)
+], ids=["mrope", "mrope-yarn", "tied", "text-flag-only"])
+def test_vision_language_checkpoint_loads_its_language_model(rope, ties):
     """A Qwen3_5ForConditionalGeneration (its Qwen3_5Config) loads as its language model: the same text logits,
     from the model or from its state dict and config dict; the vision tower's weights are not asked for."""
     torch.manual_seed(0)
-    config = Qwen3_5Config(text_config={**SIZES, "rope_parameters": rope}, vision_config=VISION)
+    text = {**SIZES, "rope_parameters": rope, "tie_word_embeddings": ties.pop("text", False)}
+    config = Qwen3_5Config(text_config=text, vision_config=VISION, **ties)
     hf = _norms_moved(Qwen3_5ForConditionalGeneration(config).eval())
+    tied = hf.lm_head.weight.data_ptr() == hf.model.language_model.embed_tokens.weight.data_ptr()
+    assert tied == bool(config.tie_word_embeddings) == attnlib.from_hf_qwen3_5(hf).config.tie_embeddings
     assert any(k.startswith("model.visual.") for k in hf.state_dict())
     idx = tokens((2, 40))
     with torch.no_grad():
         expected = hf(input_ids=idx).logits
         for ours in (attnlib.from_hf_qwen3_5(hf), attnlib.from_hf_qwen3_5(hf.state_dict(), config=config.to_dict())):
             torch.testing.assert_close(ours.eval()(idx)[0], expected, atol=1e-5, rtol=1e-5)
-    text = {k: v for k, v in hf.state_dict().items() if k.startswith("model.language_model.")}
-    with pytest.raises(ValueError, match="lm_head.weight"):  # the language model's own weights are still all needed
-        attnlib.from_hf_qwen3_5(text, config=config)
+    state = {k: v for k, v in hf.state_dict().items() if k != "model.language_model.norm.weight"}
+    with pytest.raises(ValueError, match=r"language \(model\.language_model\.\* read as model\.\*\).*missing "
+                                         r"\['model\.norm\.weight'\]"):  # its own weights are still all needed
+        attnlib.from_hf_qwen3_5(state, config=config)
 
 
 def test_state_dict_and_config_dict():

@@ -68,7 +68,8 @@ def from_hf_diffllama(model_or_state_dict, config=None) -> Decoder:
     Raises:
         TypeError: neither a model nor a mapping; a weight that is not a floating point tensor.
         ValueError: a setting attnlib cannot reproduce (:func:`config_from_hf_diffllama`); missing or unexpected
-            weights, ``λ`` vectors included (named); a shape mismatch; a ``config`` that contradicts the model's.
+            weights, ``λ`` vectors included (named); a shape mismatch; an ``lm_head.weight`` that a tied config
+            would drop; a ``config`` that contradicts the model's.
     """
     state, config = hf_state_and_config(model_or_state_dict, config, config_from_hf_diffllama)
     ours = Decoder(config_from_hf_diffllama(config))

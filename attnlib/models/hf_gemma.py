@@ -31,7 +31,14 @@ import torch
 
 from attnlib.models.config import DecoderConfig
 from attnlib.models.decoder import Decoder
-from attnlib.models.hf_llama import _flag, _int_field, check_weight_names, config_getter, hf_state_and_config
+from attnlib.models.hf_llama import (
+    _flag,
+    _int_field,
+    check_tied_head,
+    check_weight_names,
+    config_getter,
+    hf_state_and_config,
+)
 from attnlib.positional.scaling import ROPE_TYPES
 
 __all__ = ["config_from_hf_gemma3", "from_hf_gemma3"]
@@ -192,14 +199,10 @@ def from_hf_gemma3(model_or_state_dict, config=None) -> Decoder:
     state, config = hf_state_and_config(model_or_state_dict, config, config_from_hf_gemma3)
     ours = Decoder(config_from_hf_gemma3(config))
     c, own = ours.config, ours.state_dict()
+    check_tied_head(state, c.tie_embeddings)
     wanted = {"tok_emb.weight": "model.embed_tokens.weight"}
     if not c.tie_embeddings:
         wanted["lm_head.weight"] = "lm_head.weight"
-    elif "lm_head.weight" in state and "model.embed_tokens.weight" in state and not (
-            state["lm_head.weight"].shape == state["model.embed_tokens.weight"].shape
-            and torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])):
-        raise ValueError("lm_head.weight differs from model.embed_tokens.weight, but tie_word_embeddings=True ties "
-                         "them: set tie_word_embeddings=False in the config to load an untied head")
     norms = {"ln_f.weight": "model.norm.weight"}
     for i in range(c.n_layers):
         p = f"model.layers.{i}."

@@ -22,7 +22,7 @@ import torch
 
 from attnlib.models.config import DecoderConfig
 from attnlib.models.decoder import Decoder
-from attnlib.models.hf_llama import check_weight_names, hf_state_and_config
+from attnlib.models.hf_llama import check_tied_head, check_weight_names, hf_state_and_config
 
 __all__ = ["config_from_hf_gemma4", "from_hf_gemma4"]
 
@@ -169,11 +169,13 @@ def from_hf_gemma4(model_or_state_dict, config=None) -> Decoder:
     Raises:
         TypeError: neither a model nor a mapping; a state dict value that is not a floating point tensor.
         ValueError: a setting attnlib cannot reproduce (:func:`config_from_hf_gemma4`), missing or unexpected
-            weights (named), a shape mismatch, a ``config`` that contradicts the model's own.
+            weights (named), a shape mismatch, an ``lm_head.weight`` that a tied config would drop, a
+            ``config`` that contradicts the model's own.
     """
     state, config = hf_state_and_config(model_or_state_dict, config, config_from_hf_gemma4)
     ours = Decoder(config_from_hf_gemma4(config))
     c, own = ours.config, ours.state_dict()
+    check_tied_head(state, c.tie_embeddings)
     wanted, ignored = _wanted(c, state, own)
     names = lambda theirs: theirs if isinstance(theirs, list) else [theirs]  # noqa: E731
     missing = sorted(k for theirs in wanted.values() for k in names(theirs) if k not in state)

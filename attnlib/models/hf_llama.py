@@ -208,6 +208,18 @@ def check_weight_names(family: str, missing: list[str], unexpected: list[str]) -
                          f"unexpected {sorted(unexpected)[:5]}")
 
 
+def check_tied_head(state: dict, tied: bool, embedding: str = "model.embed_tokens.weight") -> None:
+    """The loaders' refusal of an ``lm_head.weight`` that a tied config would drop: it differs from ``embedding``.
+
+    Raises:
+        ValueError: ``tied`` and the state dict holds both weights, not equal (named).
+    """
+    head, table = state.get("lm_head.weight"), state.get(embedding)
+    if tied and head is not None and table is not None and not (head.shape == table.shape and torch.equal(head, table)):
+        raise ValueError(f"lm_head.weight differs from {embedding}, but tie_word_embeddings=True ties them: set "
+                         "tie_word_embeddings=False in the config to load an untied head")
+
+
 def hf_state_and_config(model_or_state_dict, config, to_config) -> tuple[dict, object]:
     """The state dict and the ``transformers`` config of a model, or of a state dict and its config (``to_config``:
     the config's :class:`~attnlib.DecoderConfig`, to compare a config given with a model's own). Raises as
@@ -237,6 +249,7 @@ def _load(model_or_state_dict, config, family: str) -> Decoder:
     ours = Decoder(config_from_hf_decoder(config, family))
     c = ours.config
     own = ours.state_dict()
+    check_tied_head(state, c.tie_embeddings)
     wanted = {"tok_emb.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight"}
     if not c.tie_embeddings:
         wanted["lm_head.weight"] = "lm_head.weight"
@@ -286,7 +299,8 @@ def from_hf_llama(model_or_state_dict, config=None) -> Decoder:
             (an int8 or bool one, named).
         ValueError: a setting attnlib cannot reproduce (:func:`config_from_hf_decoder`), missing or unexpected
             weights (``q_proj``/``k_proj``/``v_proj`` named one by one), a shape mismatch, weights on the meta device,
-            a ``config`` that contradicts the model's own.
+            an ``lm_head.weight`` that a tied config would drop (:func:`check_tied_head`), a ``config`` that
+            contradicts the model's own.
     """
     return _load(model_or_state_dict, config, "llama")
 

@@ -29,13 +29,14 @@ RoPE type attnlib does not reproduce (YaRN and the other scalings of chapter 17 
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 
 import torch
 
 from attnlib.models.config import DecoderConfig
 from attnlib.models.decoder import Decoder
-from attnlib.models.hf_llama import check_weight_names, hf_state_and_config, rope_parameters
+from attnlib.models.hf_llama import check_tied_head, check_weight_names, hf_state_and_config, rope_parameters
 from attnlib.positional.scaling import ROPE_TYPES
 
 __all__ = ["config_from_hf_qwen3_5", "from_hf_qwen3_5"]
@@ -64,11 +65,13 @@ def _hf_config(hf_config):
         raise TypeError(f"hf_config must be a transformers Qwen3_5TextConfig or its dict; got {type(hf_config).__name__}")
     get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
     model_type = get("model_type", "qwen3_5_text")
-    if model_type == "qwen3_5":  # the vision-language config: its language model's
+    if model_type == "qwen3_5":  # the vision-language config: its language model's, tied as the whole model is
         text = get("text_config", None)
         if text is None:
             raise ValueError("model_type='qwen3_5' (vision-language) config without a text_config")
-        return _hf_config(text)
+        text = copy.deepcopy(_hf_config(text))  # (Qwen3_5ForConditionalGeneration ties by its own config's flag,
+        text.tie_word_embeddings = bool(get("tie_word_embeddings", False))  # not by the text config's)
+        return text
     moe = [name for name in _MOE_FIELDS if get(name, None)]
     if "moe" in str(model_type) or moe:
         raise ValueError(f"cannot reproduce model_type={model_type!r} with {moe or 'experts'}: mixture-of-experts "
@@ -184,14 +187,16 @@ def _wanted(c: DecoderConfig, state: dict) -> tuple[dict, set, set]:
     return values, used, centred
 
 
-def _language_model(state: dict) -> dict:
+def _language_model(state: dict) -> tuple[dict, str]:
     """A vision-language checkpoint's language model under ``Qwen3_5ForCausalLM``'s names (``model.language_model.*``
-    as ``model.*``), its vision tower (``model.visual.*``) left out; a text checkpoint as it is."""
+    as ``model.*``), its vision tower (``model.visual.*``) left out, and what the weight names' errors call it; a
+    text checkpoint as it is."""
     inner = "model.language_model."
     if not any(k.startswith(inner) for k in state):
-        return state
-    return {("model." + k[len(inner):] if k.startswith(inner) else k): v
-            for k, v in state.items() if not k.startswith("model.visual.")}
+        return state, "Qwen3.5"
+    language = {("model." + k[len(inner):] if k.startswith(inner) else k): v
+                for k, v in state.items() if not k.startswith("model.visual.")}
+    return language, f"Qwen3.5 language ({inner}* read as model.*)"
 
 
 def from_hf_qwen3_5(model_or_state_dict, config=None) -> Decoder:
@@ -214,18 +219,20 @@ def from_hf_qwen3_5(model_or_state_dict, config=None) -> Decoder:
         TypeError: neither a model nor a mapping; a state dict value that is not a floating point tensor.
         ValueError: a setting attnlib cannot reproduce (:func:`config_from_hf_qwen3_5`: MoE, ...),
             missing or unexpected weights (named; multi-token-prediction ``mtp.*`` weights are ignored, as
-            transformers does), a shape mismatch, a ``config`` that contradicts the model's own.
+            transformers does), a shape mismatch, an ``lm_head.weight`` that a tied config would drop, a
+            ``config`` that contradicts the model's own.
     """
     state, config = hf_state_and_config(model_or_state_dict, config, config_from_hf_qwen3_5)
-    state = _language_model(state)
+    state, family = _language_model(state)
     ours = Decoder(config_from_hf_qwen3_5(config))
     c, own = ours.config, ours.state_dict()
+    check_tied_head(state, c.tie_embeddings)
     values, used, centred = _wanted(c, state)
     names = [[v] if isinstance(v, str) else v for v in values.values() if not isinstance(v, torch.Tensor)]
     missing = sorted(k for group in names for k in group if k not in state)
     ignored = {"lm_head.weight"} if c.tie_embeddings else set()
     unused = sorted(k for k in set(state) - used - ignored if not k.startswith("mtp."))
-    check_weight_names("Qwen3.5", missing, unused)
+    check_weight_names(family, missing, unused)
     with torch.no_grad():
         for mine, value in values.items():
             if own[mine].shape != value.shape:
