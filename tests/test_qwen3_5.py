@@ -71,6 +71,8 @@ def tokens(shape, seed: int = 1) -> torch.Tensor:
 def test_config_read_as_transformers_does():
     c = config_from_hf_qwen3_5(Qwen3_5TextConfig(**SIZES))
     assert config_from_hf_qwen3_5(Qwen3_5Config(text_config=SIZES).to_dict()) == c  # a vision-language config's text
+    with pytest.raises(ValueError, match="tie_word_embeddings='false' must be a bool"):
+        config_from_hf_qwen3_5({**Qwen3_5Config(text_config=SIZES).to_dict(), "tie_word_embeddings": "false"})
     assert c.layer_types == ("linear_attention",) * 3 + ("full_attention",)  # full_attention_interval = 4
     assert (c.partial_rotary_factor, c.attn_output_gate, c.linear_conv_kernel_dim) == (0.25, True, 4)
     assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim) == (2, 4, 8, 12)

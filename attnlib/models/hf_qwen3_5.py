@@ -36,7 +36,7 @@ import torch
 
 from attnlib.models.config import DecoderConfig
 from attnlib.models.decoder import Decoder
-from attnlib.models.hf_llama import check_tied_head, check_weight_names, hf_state_and_config, rope_parameters
+from attnlib.models.hf_llama import _flag, check_tied_head, check_weight_names, hf_state_and_config, rope_parameters
 from attnlib.positional.scaling import ROPE_TYPES
 
 __all__ = ["config_from_hf_qwen3_5", "from_hf_qwen3_5"]
@@ -70,7 +70,7 @@ def _hf_config(hf_config):
         if text is None:
             raise ValueError("model_type='qwen3_5' (vision-language) config without a text_config")
         text = copy.deepcopy(_hf_config(text))  # (Qwen3_5ForConditionalGeneration ties by its own config's flag,
-        text.tie_word_embeddings = bool(get("tie_word_embeddings", False))  # not by the text config's)
+        text.tie_word_embeddings = _flag(get, "tie_word_embeddings")  # not by the text config's)
         return text
     moe = [name for name in _MOE_FIELDS if get(name, None)]
     if "moe" in str(model_type) or moe:
