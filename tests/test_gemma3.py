@@ -133,7 +133,7 @@ BAD = [
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "per-layer-type"),
     ({"layer_types": ["sliding_attention"] * 6 + ["chunked_attention"]}, "layer_types=.*chunked_attention"),
     ({"layer_types": ["full_attention"] * 6}, "expected 7 of"),
-    ({"model_type": "gemma3"}, "'gemma3' config.*text_config"),
+    ({"model_type": "gemma3"}, r"model_type='gemma3' \(vision-language\) config without a text_config"),
     ({"model_type": "llama"}, "'llama' config"),
     ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar=0"),
     ({"final_logit_softcapping": -1.0}, "final_logit_softcapping=-1.0"),

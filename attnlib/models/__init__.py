@@ -7,7 +7,8 @@
 * loaders from ``transformers``: :func:`from_hf_gpt2` (chapter 14), :func:`from_hf_llama`,
   :func:`from_hf_qwen3`, :func:`from_hf_mistral` (chapter 16), :func:`from_hf_diffllama`,
   :func:`from_hf_gemma3`, :func:`from_hf_gemma4`, :func:`from_hf_smollm3` (chapter 20), :func:`from_hf_qwen3_5`
-  (chapter 21);
+  (chapter 21); the vision-language checkpoints of Gemma 3, Gemma 4 and Qwen3.5 load as their text decoder
+  (:mod:`~attnlib.models.hf_vision_language`);
   :mod:`~attnlib.models.hf_llama4` and :mod:`~attnlib.models.hf_gpt_oss`: Llama 4's and gpt-oss's attention,
   layer by layer (chapter 20);
 * :class:`Transformer`: the encoder–decoder of Vaswani et al. (chapter 10);

@@ -39,6 +39,7 @@ from attnlib.models.hf_llama import (
     config_getter,
     hf_state_and_config,
 )
+from attnlib.models.hf_vision_language import language_model_weights, text_config_of
 from attnlib.positional.scaling import ROPE_TYPES
 
 __all__ = ["config_from_hf_gemma3", "from_hf_gemma3"]
@@ -123,27 +124,28 @@ def config_from_hf_gemma3(hf_config) -> DecoderConfig:
     Args:
         hf_config: a ``Gemma3TextConfig`` or its dict (``config.json``; the ``rope_parameters`` per layer type of
             transformers 5, or the older ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling`` and
-            ``sliding_window_pattern``).
+            ``sliding_window_pattern``), or a vision-language ``Gemma3Config`` (its ``text_config``,
+            :mod:`~attnlib.models.hf_vision_language`).
 
     Returns:
         :meth:`DecoderConfig.gemma3 <attnlib.DecoderConfig.gemma3>` with the config's sizes and settings.
 
     Raises:
         TypeError: ``hf_config`` neither a mapping nor a config object.
-        ValueError: another ``model_type`` (the multimodal ``"gemma3"`` config included: pass its ``text_config``),
+        ValueError: another ``model_type``,
             a setting attnlib cannot reproduce (``use_bidirectional_attention``, ``attn_logit_softcapping`` (which
             ``transformers``' Gemma 3 keeps but never applies), a ``hidden_activation`` other than
             ``gelu_pytorch_tanh``, a RoPE type it does not know or a scaled RoPE on the sliding layers, a layer
             type other than sliding or full), a size missing or not an int >= 1, a flag that is not a bool, a
             number that is not finite and > 0; each named.
     """
+    hf_config = text_config_of(hf_config, "gemma3")  # a vision-language config: its text decoder's
     if hf_config is None or isinstance(hf_config, (str, bytes, int, float, list, tuple)):
         raise TypeError(f"hf_config must be a transformers config or its dict; got {type(hf_config).__name__}")
     get = config_getter(hf_config)
     model_type = get("model_type")
     if model_type is not None and model_type != "gemma3_text":
-        hint = ": pass its text_config (and the language model's weights)" if model_type == "gemma3" else ""
-        raise ValueError(f"this is a {model_type!r} config; from_hf_gemma3 loads 'gemma3_text' models{hint}")
+        raise ValueError(f"this is a {model_type!r} config; from_hf_gemma3 loads 'gemma3_text' models")
     sizes = {name: _int_field(get, name) for name in ("vocab_size", "max_position_embeddings", "num_hidden_layers",
                                                       "num_attention_heads", "hidden_size", "intermediate_size")}
     n_kv_heads, head_dim = _int_field(get, "num_key_value_heads", optional=True), _int_field(get, "head_dim", optional=True)
@@ -182,8 +184,9 @@ def from_hf_gemma3(model_or_state_dict, config=None) -> Decoder:
     """An attnlib :class:`~attnlib.Decoder` equal to a ``transformers`` ``Gemma3ForCausalLM`` (chapter 20).
 
     Args:
-        model_or_state_dict: a ``Gemma3ForCausalLM``, or its ``state_dict()`` (then ``config`` is needed).
-        config: the ``Gemma3TextConfig`` (or its dict); default: the model's. Given with a model, it must describe
+        model_or_state_dict: a ``Gemma3ForCausalLM`` or a ``Gemma3ForConditionalGeneration`` (its text decoder,
+            :mod:`~attnlib.models.hf_vision_language`), or its ``state_dict()`` (then ``config`` is needed).
+        config: the ``Gemma3TextConfig`` or ``Gemma3Config`` (or its dict); default: the model's. Given with a model, it must describe
             the same model (a contradiction is refused, never loaded).
 
     Returns:
@@ -197,6 +200,7 @@ def from_hf_gemma3(model_or_state_dict, config=None) -> Decoder:
             to, weights on the meta device, a ``config`` that contradicts the model's own.
     """
     state, config = hf_state_and_config(model_or_state_dict, config, config_from_hf_gemma3)
+    state, family = language_model_weights(state, "Gemma 3")  # a vision-language checkpoint's decoder
     ours = Decoder(config_from_hf_gemma3(config))
     c, own = ours.config, ours.state_dict()
     check_tied_head(state, c.tie_embeddings)
@@ -215,7 +219,7 @@ def from_hf_gemma3(model_or_state_dict, config=None) -> Decoder:
     missing = sorted(needed - set(state))
     ignored = {"lm_head.weight"} if c.tie_embeddings else set()
     unused = sorted(k for k in set(state) - needed - ignored if not k.endswith("rotary_emb.inv_freq"))
-    check_weight_names("Gemma 3", missing, unused)
+    check_weight_names(family, missing, unused)
     with torch.no_grad():
         for mine, theirs in wanted.items():
             if isinstance(theirs, tuple):  # q, k, v: each part's shape checked before stacking

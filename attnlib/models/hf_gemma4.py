@@ -23,6 +23,7 @@ import torch
 from attnlib.models.config import DecoderConfig
 from attnlib.models.decoder import Decoder
 from attnlib.models.hf_llama import check_tied_head, check_weight_names, hf_state_and_config
+from attnlib.models.hf_vision_language import language_model_weights, text_config_of
 
 __all__ = ["config_from_hf_gemma4", "from_hf_gemma4"]
 
@@ -53,7 +54,9 @@ _MODEL_KEYS = {
 
 
 def _hf_config(hf_config):
-    """A ``Gemma4TextConfig`` (per-layer sizes resolved) from a config object or its dict."""
+    """A ``Gemma4TextConfig`` (per-layer sizes resolved) from a config object or its dict (a vision-language
+    ``Gemma4Config``: its text decoder's, :mod:`~attnlib.models.hf_vision_language`)."""
+    hf_config = text_config_of(hf_config, "gemma4")
     if hf_config is None or isinstance(hf_config, (str, bytes, int, float, list, tuple)):
         raise TypeError(f"hf_config must be a transformers Gemma4TextConfig or its dict; got {type(hf_config).__name__}")
     if isinstance(hf_config, Mapping):
@@ -65,8 +68,7 @@ def _hf_config(hf_config):
         return Gemma4TextConfig(**{k: v for k, v in hf_config.items() if k != "model_type"})
     model_type = getattr(hf_config, "model_type", None)
     if model_type != "gemma4_text":
-        raise ValueError(f"this is a {model_type!r} config; from_hf_gemma4 loads 'gemma4_text' models "
-                         "(for Gemma4ForConditionalGeneration pass its text_config)")
+        raise ValueError(f"this is a {model_type!r} config; from_hf_gemma4 loads 'gemma4_text' models")
     return hf_config
 
 
@@ -158,8 +160,9 @@ def from_hf_gemma4(model_or_state_dict, config=None) -> Decoder:
     """An attnlib :class:`~attnlib.Decoder` equal to a ``transformers`` ``Gemma4ForCausalLM`` (text). Chapter 20.
 
     Args:
-        model_or_state_dict: a ``Gemma4ForCausalLM``, or its ``state_dict()`` (then ``config`` is needed).
-        config: the ``Gemma4TextConfig`` (or its dict); default: the model's. Given with a model, it must describe
+        model_or_state_dict: a ``Gemma4ForCausalLM`` or a ``Gemma4ForConditionalGeneration`` (its text decoder,
+            :mod:`~attnlib.models.hf_vision_language`), or its ``state_dict()`` (then ``config`` is needed).
+        config: the ``Gemma4TextConfig`` or ``Gemma4Config`` (or its dict); default: the model's. Given with a model, it must describe
             the same model.
 
     Returns:
@@ -173,6 +176,7 @@ def from_hf_gemma4(model_or_state_dict, config=None) -> Decoder:
             ``config`` that contradicts the model's own.
     """
     state, config = hf_state_and_config(model_or_state_dict, config, config_from_hf_gemma4)
+    state, family = language_model_weights(state, "Gemma 4")  # a vision-language checkpoint's decoder
     ours = Decoder(config_from_hf_gemma4(config))
     c, own = ours.config, ours.state_dict()
     check_tied_head(state, c.tie_embeddings)
@@ -181,7 +185,7 @@ def from_hf_gemma4(model_or_state_dict, config=None) -> Decoder:
     missing = sorted(k for theirs in wanted.values() for k in names(theirs) if k not in state)
     used = {k for theirs in wanted.values() for k in names(theirs)}
     unused = sorted(set(state) - used - ignored)
-    check_weight_names("Gemma 4", missing, unused)
+    check_weight_names(family, missing, unused)
     with torch.no_grad():
         for mine, theirs in wanted.items():
             value = torch.cat([state[k] for k in names(theirs)])  # rows [W_q; W_k; W_v] (or fewer)

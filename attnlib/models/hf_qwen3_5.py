@@ -21,7 +21,8 @@ multimodal RoPE's three sections (``mrope_section``) turn by the same angles, pl
 
 A vision-language checkpoint (``Qwen3_5ForConditionalGeneration`` and its ``Qwen3_5Config``, as Qwen3.5 is
 published) loads as its language model: the ``text_config``, the weights under ``model.language_model.``; the
-vision tower (``model.visual.*``) is not built, so the model reads token ids only.
+vision tower (``model.visual.*``) is not built, so the model reads token ids only
+(:mod:`~attnlib.models.hf_vision_language`, shared with Gemma 3 and Gemma 4).
 
 Refused with a ``ValueError`` naming the setting: mixture-of-experts configs (``qwen3_5_moe``), another
 activation, biases on the attention (transformers gives them to the softmax layers only), attention dropout, a
@@ -29,14 +30,14 @@ RoPE type attnlib does not reproduce (YaRN and the other scalings of chapter 17 
 """
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 
 import torch
 
 from attnlib.models.config import DecoderConfig
 from attnlib.models.decoder import Decoder
-from attnlib.models.hf_llama import _flag, check_tied_head, check_weight_names, hf_state_and_config, rope_parameters
+from attnlib.models.hf_llama import check_tied_head, check_weight_names, hf_state_and_config, rope_parameters
+from attnlib.models.hf_vision_language import language_model_weights, text_config_of
 from attnlib.positional.scaling import ROPE_TYPES
 
 __all__ = ["config_from_hf_qwen3_5", "from_hf_qwen3_5"]
@@ -61,17 +62,11 @@ _LINEAR_KEYS = {  # the DeltaNet layers
 
 def _hf_config(hf_config):
     """A ``Qwen3_5TextConfig`` (``layer_types`` and RoPE resolved as transformers does) from a config or its dict."""
+    hf_config = text_config_of(hf_config, "qwen3_5")  # a vision-language config: its text decoder's
     if hf_config is None or isinstance(hf_config, (str, bytes, int, float, list, tuple)):
         raise TypeError(f"hf_config must be a transformers Qwen3_5TextConfig or its dict; got {type(hf_config).__name__}")
     get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
     model_type = get("model_type", "qwen3_5_text")
-    if model_type == "qwen3_5":  # the vision-language config: its language model's, tied as the whole model is
-        text = get("text_config", None)
-        if text is None:
-            raise ValueError("model_type='qwen3_5' (vision-language) config without a text_config")
-        text = copy.deepcopy(_hf_config(text))  # (Qwen3_5ForConditionalGeneration ties by its own config's flag,
-        text.tie_word_embeddings = _flag(get, "tie_word_embeddings")  # not by the text config's)
-        return text
     moe = [name for name in _MOE_FIELDS if get(name, None)]
     if "moe" in str(model_type) or moe:
         raise ValueError(f"cannot reproduce model_type={model_type!r} with {moe or 'experts'}: mixture-of-experts "
@@ -187,18 +182,6 @@ def _wanted(c: DecoderConfig, state: dict) -> tuple[dict, set, set]:
     return values, used, centred
 
 
-def _language_model(state: dict) -> tuple[dict, str]:
-    """A vision-language checkpoint's language model under ``Qwen3_5ForCausalLM``'s names (``model.language_model.*``
-    as ``model.*``), its vision tower (``model.visual.*``) left out, and what the weight names' errors call it; a
-    text checkpoint as it is."""
-    inner = "model.language_model."
-    if not any(k.startswith(inner) for k in state):
-        return state, "Qwen3.5"
-    language = {("model." + k[len(inner):] if k.startswith(inner) else k): v
-                for k, v in state.items() if not k.startswith("model.visual.")}
-    return language, f"Qwen3.5 language ({inner}* read as model.*)"
-
-
 def from_hf_qwen3_5(model_or_state_dict, config=None) -> Decoder:
     """An attnlib :class:`~attnlib.Decoder` equal to a ``transformers`` ``Qwen3_5ForCausalLM`` (dense, text).
     Chapter 21.
@@ -223,7 +206,7 @@ def from_hf_qwen3_5(model_or_state_dict, config=None) -> Decoder:
             ``config`` that contradicts the model's own.
     """
     state, config = hf_state_and_config(model_or_state_dict, config, config_from_hf_qwen3_5)
-    state, family = _language_model(state)
+    state, family = language_model_weights(state, "Qwen3.5")  # a vision-language checkpoint's decoder
     ours = Decoder(config_from_hf_qwen3_5(config))
     c, own = ours.config, ours.state_dict()
     check_tied_head(state, c.tie_embeddings)
