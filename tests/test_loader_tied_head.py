@@ -47,6 +47,6 @@ def test_a_tied_config_with_another_head_is_refused(family):
                                          r"tie_word_embeddings=True ties them"):
         load(state, config=tied)
     idx = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():  # the model's own config: the head loaded, transformers' logits
+    with torch.no_grad():  # the model's own config: the head loaded (a wrong one is off by ~1), transformers' logits
         torch.testing.assert_close(load(state, config=config.to_dict()).eval()(idx)[0], hf(idx).logits,
-                                   atol=1e-5, rtol=1e-5)
+                                   atol=5e-5, rtol=1e-5)  # (Qwen3.5's float32 delta rule: up to 1.5e-5 measured)

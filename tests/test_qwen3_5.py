@@ -171,10 +171,10 @@ def test_vision_language_checkpoint_loads_its_language_model(rope, ties):
     assert tied == bool(config.tie_word_embeddings) == attnlib.from_hf_qwen3_5(hf).config.tie_embeddings
     assert any(k.startswith("model.visual.") for k in hf.state_dict())
     idx = tokens((2, 40))
-    with torch.no_grad():
-        expected = hf(input_ids=idx).logits
+    with torch.no_grad():  # (float32 rounding of the two chunked delta rules: up to 1.5e-5 measured at logits ~4;
+        expected = hf(input_ids=idx).logits  # transformers' fallback computes it in float32 even for float64 models)
         for ours in (attnlib.from_hf_qwen3_5(hf), attnlib.from_hf_qwen3_5(hf.state_dict(), config=config.to_dict())):
-            torch.testing.assert_close(ours.eval()(idx)[0], expected, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(ours.eval()(idx)[0], expected, atol=5e-5, rtol=1e-5)
     state = {k: v for k, v in hf.state_dict().items() if k != "model.language_model.norm.weight"}
     with pytest.raises(ValueError, match=r"language \(model\.language_model\.\* read as model\.\*\).*missing "
                                          r"\['model\.norm\.weight'\]"):  # its own weights are still all needed
