@@ -203,7 +203,7 @@ def from_hf_gemma3(model_or_state_dict, config=None) -> Decoder:
     state, family = language_model_weights(state, "Gemma 3")  # a vision-language checkpoint's decoder
     ours = Decoder(config_from_hf_gemma3(config))
     c, own = ours.config, ours.state_dict()
-    check_tied_head(state, c.tie_embeddings)
+    ignored = check_tied_head(state, c.tie_embeddings)
     wanted = {"tok_emb.weight": "model.embed_tokens.weight"}
     if not c.tie_embeddings:
         wanted["lm_head.weight"] = "lm_head.weight"
@@ -217,7 +217,6 @@ def from_hf_gemma3(model_or_state_dict, config=None) -> Decoder:
     wanted = {mine: theirs for mine, theirs in (wanted | norms).items() if mine in own}
     needed = {k for theirs in wanted.values() for k in ((theirs,) if isinstance(theirs, str) else theirs)}
     missing = sorted(needed - set(state))
-    ignored = {"lm_head.weight"} if c.tie_embeddings else set()
     unused = sorted(k for k in set(state) - needed - ignored if not k.endswith("rotary_emb.inv_freq"))
     check_weight_names(family, missing, unused)
     with torch.no_grad():

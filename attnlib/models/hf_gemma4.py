@@ -144,7 +144,7 @@ def config_from_hf_gemma4(hf_config) -> DecoderConfig:
 def _wanted(c: DecoderConfig, state: dict, own: dict) -> tuple[dict, set]:
     """attnlib name -> transformers name(s) (a list: stacked into ``qkv``); and the transformers names ignored."""
     wanted = {**_MODEL_KEYS, **({} if c.tie_embeddings else {"lm_head.weight": "lm_head.weight"})}
-    ignored = {"lm_head.weight"} if c.tie_embeddings else set()
+    ignored = check_tied_head(state, c.tie_embeddings)  # (refusing a head that tying would drop)
     for i in range(c.n_layers):
         p = f"model.layers.{i}."
         wanted.update({f"blocks.{i}.{mine}": p + theirs for mine, theirs in _BLOCK_KEYS.items()})
@@ -179,7 +179,6 @@ def from_hf_gemma4(model_or_state_dict, config=None) -> Decoder:
     state, family = language_model_weights(state, "Gemma 4")  # a vision-language checkpoint's decoder
     ours = Decoder(config_from_hf_gemma4(config))
     c, own = ours.config, ours.state_dict()
-    check_tied_head(state, c.tie_embeddings)
     wanted, ignored = _wanted(c, state, own)
     names = lambda theirs: theirs if isinstance(theirs, list) else [theirs]  # noqa: E731
     missing = sorted(k for theirs in wanted.values() for k in names(theirs) if k not in state)

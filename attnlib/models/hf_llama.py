@@ -208,8 +208,11 @@ def check_weight_names(family: str, missing: list[str], unexpected: list[str]) -
                          f"unexpected {sorted(unexpected)[:5]}")
 
 
-def check_tied_head(state: dict, tied: bool, embedding: str = "model.embed_tokens.weight") -> None:
+def check_tied_head(state: dict, tied: bool, embedding: str = "model.embed_tokens.weight") -> set[str]:
     """The loaders' refusal of an ``lm_head.weight`` that a tied config would drop: it differs from ``embedding``.
+
+    Returns:
+        the names a tied model leaves unread (``{"lm_head.weight"}``; none when untied).
 
     Raises:
         ValueError: ``tied`` and the state dict holds both weights, not equal (named).
@@ -218,6 +221,7 @@ def check_tied_head(state: dict, tied: bool, embedding: str = "model.embed_token
     if tied and head is not None and table is not None and not (head.shape == table.shape and torch.equal(head, table)):
         raise ValueError(f"lm_head.weight differs from {embedding}, but tie_word_embeddings=True ties them: set "
                          "tie_word_embeddings=False in the config to load an untied head")
+    return {"lm_head.weight"} if tied else set()
 
 
 def hf_state_and_config(model_or_state_dict, config, to_config) -> tuple[dict, object]:
@@ -249,7 +253,7 @@ def _load(model_or_state_dict, config, family: str) -> Decoder:
     ours = Decoder(config_from_hf_decoder(config, family))
     c = ours.config
     own = ours.state_dict()
-    check_tied_head(state, c.tie_embeddings)
+    ignored = check_tied_head(state, c.tie_embeddings)
     wanted = {"tok_emb.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight"}
     if not c.tie_embeddings:
         wanted["lm_head.weight"] = "lm_head.weight"
@@ -272,7 +276,6 @@ def _load(model_or_state_dict, config, family: str) -> Decoder:
             wanted[mine] = f"{p}qkv.{suffix}"
     wanted = {mine: theirs for mine, theirs in wanted.items() if mine in own}
     missing = sorted(k for theirs in wanted.values() if theirs not in state for k in absent.get(theirs, [theirs]))
-    ignored = {"lm_head.weight"} if c.tie_embeddings else set()
     unused = sorted(set(state) - set(wanted.values()) - ignored - present - {k for k in state if k.endswith("rotary_emb.inv_freq")})
     check_weight_names(family, missing, unused)
     with torch.no_grad():

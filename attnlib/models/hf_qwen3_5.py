@@ -36,7 +36,13 @@ import torch
 
 from attnlib.models.config import DecoderConfig
 from attnlib.models.decoder import Decoder
-from attnlib.models.hf_llama import check_tied_head, check_weight_names, hf_state_and_config, rope_parameters
+from attnlib.models.hf_llama import (
+    check_tied_head,
+    check_weight_names,
+    config_getter,
+    hf_state_and_config,
+    rope_parameters,
+)
 from attnlib.models.hf_vision_language import language_model_weights, text_config_of
 from attnlib.positional.scaling import ROPE_TYPES
 
@@ -65,7 +71,7 @@ def _hf_config(hf_config):
     hf_config = text_config_of(hf_config, "qwen3_5")  # a vision-language config: its text decoder's
     if hf_config is None or isinstance(hf_config, (str, bytes, int, float, list, tuple)):
         raise TypeError(f"hf_config must be a transformers Qwen3_5TextConfig or its dict; got {type(hf_config).__name__}")
-    get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
+    get = config_getter(hf_config)
     model_type = get("model_type", "qwen3_5_text")
     moe = [name for name in _MOE_FIELDS if get(name, None)]
     if "moe" in str(model_type) or moe:
@@ -209,11 +215,10 @@ def from_hf_qwen3_5(model_or_state_dict, config=None) -> Decoder:
     state, family = language_model_weights(state, "Qwen3.5")  # a vision-language checkpoint's decoder
     ours = Decoder(config_from_hf_qwen3_5(config))
     c, own = ours.config, ours.state_dict()
-    check_tied_head(state, c.tie_embeddings)
+    ignored = check_tied_head(state, c.tie_embeddings)
     values, used, centred = _wanted(c, state)
     names = [[v] if isinstance(v, str) else v for v in values.values() if not isinstance(v, torch.Tensor)]
     missing = sorted(k for group in names for k in group if k not in state)
-    ignored = {"lm_head.weight"} if c.tie_embeddings else set()
     unused = sorted(k for k in set(state) - used - ignored if not k.startswith("mtp."))
     check_weight_names(family, missing, unused)
     with torch.no_grad():

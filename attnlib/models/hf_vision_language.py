@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 
-from attnlib.models.hf_llama import _flag
+from attnlib.models.hf_llama import _flag, config_getter
 
 __all__ = ["language_model_weights", "text_config_of"]
 
@@ -33,7 +33,7 @@ def text_config_of(hf_config, vision_language_type: str):
         ValueError: a vision-language config without a ``text_config``; a ``tie_word_embeddings`` that is not a
             bool (named).
     """
-    get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
+    get = config_getter(hf_config)
     if get("model_type", None) != vision_language_type:
         return hf_config
     text = get("text_config", None)
